@@ -1,0 +1,180 @@
+"""The in-process world: ranks are threads of one process, messages are numpy copies.
+
+Sends are rendezvous: the receiver copies straight from the sender's array, and the send
+completes only then, so a schedule that would hang on MPI's rendezvous protocol hangs here too,
+and is reported. No rank can wait forever: when a rank raises, every other rank's wait raises
+:class:`PeerFailed`; when every live rank waits and nothing can arrive, all of them raise
+:class:`Deadlock`, naming who waits for whom.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pycoll.bindings.transport import PeerFailed
+
+
+class Deadlock(RuntimeError):
+    """Every live rank waits for a message that no rank will send."""
+
+
+class _Request:
+    __slots__ = ("buf", "rank", "peer", "tag", "kind", "_done")
+
+    def __init__(self, buf: np.ndarray, rank: int, peer: int, tag: int, kind: str):
+        self.buf, self.rank, self.peer, self.tag, self.kind = buf, rank, peer, tag, kind
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def describe(self) -> str:
+        verb = "send to" if self.kind == "send" else "receive from"
+        return f"{verb} rank {self.peer} (tag {self.tag}, {self.buf.size} elements)"
+
+
+class LocalWorld:
+    """Mailboxes shared by the threads of one in-process world."""
+
+    def __init__(self, nranks: int):
+        self.nranks = nranks
+        self._cond = threading.Condition()
+        # (channel, src, dst, tag) -> requests posted first, waiting for their match
+        self._unmatched_sends: dict[tuple, deque[_Request]] = defaultdict(deque)
+        self._unmatched_recvs: dict[tuple, deque[_Request]] = defaultdict(deque)
+        self._waiting: dict[int, _Request] = {}  # rank -> the request it is blocked on
+        self._finished: set[int] = set()
+        self.failure: BaseException | None = None
+        self.failed_rank: int | None = None
+
+    def endpoint(self, rank: int, channel: str = "collective") -> LocalTransport:
+        return LocalTransport(self, rank, channel)
+
+    def fail(self, rank: int, error: BaseException) -> None:
+        """Record the first failure and wake every waiting rank."""
+        with self._cond:
+            if self.failure is None:
+                self.failure, self.failed_rank = error, rank
+            self._cond.notify_all()
+
+    def finish(self, rank: int) -> None:
+        with self._cond:
+            self._finished.add(rank)
+            self._cond.notify_all()
+
+    def _raise_if_failed(self, rank: int) -> None:
+        if self.failure is not None:
+            raise PeerFailed(
+                f"rank {rank}: rank {self.failed_rank} failed "
+                f"({type(self.failure).__name__}: {self.failure}); this collective cannot complete"
+            )
+
+    def post(self, request: _Request, channel: str) -> _Request:
+        if request.kind == "send":
+            key = (channel, request.rank, request.peer, request.tag)
+            mine, theirs = self._unmatched_sends, self._unmatched_recvs
+        else:
+            key = (channel, request.peer, request.rank, request.tag)
+            mine, theirs = self._unmatched_recvs, self._unmatched_sends
+        with self._cond:
+            self._raise_if_failed(request.rank)
+            if not theirs[key]:
+                mine[key].append(request)
+                return request
+            partner = theirs[key].popleft()
+        # Copy outside the lock so that copies between other pairs run concurrently.
+        send, recv = (request, partner) if request.kind == "send" else (partner, request)
+        try:
+            if send.buf.size != recv.buf.size:
+                raise ValueError(
+                    f"rank {send.rank} sends {send.buf.size} elements to rank {recv.rank}, "
+                    f"which expects {recv.buf.size} (tag {send.tag}); the ranks disagree on counts"
+                )
+            np.copyto(recv.buf, send.buf.reshape(recv.buf.shape), casting="no")
+        except BaseException as error:
+            self.fail(request.rank, error)
+            raise
+        with self._cond:
+            send._done = recv._done = True
+            self._cond.notify_all()
+        return request
+
+    def wait(self, rank: int, requests: list[_Request]) -> None:
+        with self._cond:
+            for request in requests:
+                while not request._done:
+                    self._raise_if_failed(rank)
+                    self._waiting[rank] = request
+                    if self._nobody_can_progress():
+                        self._report_deadlock()
+                    self._cond.wait(timeout=1.0)
+                    del self._waiting[rank]
+            self._raise_if_failed(rank)
+
+    def _nobody_can_progress(self) -> bool:
+        live = self.nranks - len(self._finished)
+        return len(self._waiting) == live and not any(r._done for r in self._waiting.values())
+
+    def _report_deadlock(self) -> None:
+        waits = "; ".join(
+            f"rank {rank} waits to {request.describe()}"
+            for rank, request in sorted(self._waiting.items())
+        )
+        done = sorted(self._finished)
+        error = Deadlock(
+            f"deadlock: {waits}" + (f"; ranks {done} already returned" if done else "")
+        )
+        if self.failure is None:
+            self.failure, self.failed_rank = error, min(self._waiting)
+        self._cond.notify_all()
+        raise error
+
+
+class LocalTransport:
+    """One rank's endpoint on one channel of a :class:`LocalWorld`."""
+
+    def __init__(self, world: LocalWorld, rank: int, channel: str):
+        self.world, self.rank, self.size, self.channel = world, rank, world.nranks, channel
+
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> _Request:
+        return self.world.post(_Request(buf, self.rank, peer, tag, "send"), self.channel)
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> _Request:
+        return self.world.post(_Request(buf, self.rank, peer, tag, "recv"), self.channel)
+
+    def waitall(self, requests: list[_Request]) -> None:
+        self.world.wait(self.rank, requests)
+
+
+def run_threads(nranks: int, body: Callable[[int, LocalWorld], Any]) -> list[Any]:
+    """Run ``body(rank, world)`` on ``nranks`` threads; return their results in rank order.
+
+    If any rank raises, the others are released and the first failure is raised here.
+    """
+    world = LocalWorld(nranks)
+    results: list[Any] = [None] * nranks
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = body(rank, world)
+        except BaseException as error:  # re-raised in the caller
+            world.fail(rank, error)
+        finally:
+            world.finish(rank)
+
+    threads = [
+        threading.Thread(target=run, args=(rank,), name=f"pycoll-rank-{rank}", daemon=True)
+        for rank in range(nranks)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if world.failure is not None:
+        raise world.failure
+    return results

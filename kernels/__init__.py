@@ -1,0 +1,19 @@
+"""Element-wise reduction kernels; ``host`` is the numpy reference instance."""
+
+from .host import (
+    SUPPORTED_DTYPES,
+    ReduceOp,
+    check_dtype,
+    check_op_for_dtype,
+    finish,
+    reduce_into,
+)
+
+__all__ = [
+    "ReduceOp",
+    "SUPPORTED_DTYPES",
+    "check_dtype",
+    "check_op_for_dtype",
+    "reduce_into",
+    "finish",
+]

@@ -1,0 +1,39 @@
+"""pycoll: collective communication whose algorithms are readable, checked data."""
+
+from pycoll.api import (
+    allgather,
+    allreduce,
+    alltoall,
+    alltoallv,
+    barrier,
+    broadcast,
+    recv,
+    reduce,
+    reduce_scatter,
+    send,
+)
+from pycoll.bindings.local import Deadlock
+from pycoll.bindings.transport import PeerFailed
+from pycoll.comm import Communicator, run_local, world
+from pycoll.kernels import ReduceOp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Communicator",
+    "Deadlock",
+    "PeerFailed",
+    "ReduceOp",
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "alltoallv",
+    "barrier",
+    "broadcast",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "run_local",
+    "send",
+    "world",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from pycoll.cli import main
+
+sys.exit(main())

@@ -1,0 +1,56 @@
+"""Algorithm families. Each module only emits schedules; it never touches arrays or transports.
+
+Every family module defines ``SCHEDULES``, a mapping from :class:`Collective` to a function:
+
+* unrooted collectives: ``f(nranks, nsegments=1) -> Schedule``
+* Broadcast and Reduce: ``f(nranks, root, nsegments=1) -> Schedule``
+* Send/Recv: ``f(nranks, src, dst, nsegments=1) -> Schedule``
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from types import ModuleType
+
+from pycoll.algorithms import direct, halving_doubling, ring, tree
+from pycoll.schedule import ROOTED, Collective, Schedule
+
+FAMILIES: dict[str, ModuleType] = {
+    "ring": ring,
+    "tree": tree,
+    "halving_doubling": halving_doubling,
+    "direct": direct,
+}
+
+
+def families_for(collective: Collective) -> list[str]:
+    """The family names that have a schedule for ``collective``."""
+    return [name for name, module in FAMILIES.items() if collective in module.SCHEDULES]
+
+
+@lru_cache(maxsize=1024)
+def build(
+    family: str,
+    collective: Collective,
+    nranks: int,
+    nsegments: int = 1,
+    root: int | None = None,
+    peer: int | None = None,
+) -> Schedule:
+    """The schedule ``family`` emits for ``collective``; cached, since schedules are immutable."""
+    if family not in FAMILIES:
+        raise ValueError(
+            f"algorithm={family!r} is not an algorithm family; allowed: "
+            + ", ".join(repr(name) for name in FAMILIES)
+        )
+    emit = FAMILIES[family].SCHEDULES.get(collective)
+    if emit is None:
+        raise ValueError(
+            f"algorithm={family!r} has no {collective.value} schedule; allowed for "
+            f"{collective.value}: " + ", ".join(repr(n) for n in families_for(collective))
+        )
+    if collective in ROOTED:
+        return emit(nranks, root, nsegments)
+    if collective is Collective.SENDRECV:
+        return emit(nranks, root, peer, nsegments)
+    return emit(nranks, nsegments)

@@ -1,0 +1,381 @@
+"""The public collectives: array in, array out.
+
+Each function validates its arguments (errors name the argument, the value and what is
+allowed), picks a schedule, and runs this rank's part of it over the communicator. Arrays are
+read as flat sequences of elements; the sharded collectives split along the first axis, so
+``counts`` are in rows of ``x`` (elements, for a 1-D array).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import numpy as np
+
+from pycoll import algorithms
+from pycoll.comm import Communicator, world
+from pycoll.execute import Buffers, execute
+from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype, finish, reduce_into
+from pycoll.schedule import Collective, Layout, Schedule, split
+from pycoll.select import plan_for
+
+OpLike = str | ReduceOp
+
+
+def allreduce(
+    x: np.ndarray,
+    op: OpLike = "sum",
+    *,
+    out: np.ndarray | None = None,
+    comm: Communicator | None = None,
+    algorithm: str = "auto",
+) -> np.ndarray:
+    """Combine ``x`` over all ranks with ``op``; every rank gets the whole result."""
+    comm, op = _comm(comm), _op(op, x, "allreduce")
+    out = _out(out, x, x.shape, "allreduce", may_alias=True)
+    schedule = _schedule(Collective.ALLREDUCE, x.nbytes, comm, algorithm)
+    layout = Layout.even(x.size, schedule.nblocks, schedule.nsegments)
+    _run(comm, schedule, x, out, layout, layout, op)
+    finish(out.reshape(-1), op, comm.size)
+    return out
+
+
+def reduce_scatter(
+    x: np.ndarray,
+    op: OpLike = "sum",
+    *,
+    counts: list[int] | None = None,
+    out: np.ndarray | None = None,
+    comm: Communicator | None = None,
+    algorithm: str = "auto",
+) -> np.ndarray:
+    """Combine ``x`` over all ranks; rank r gets rows ``sum(counts[:r])`` up to the next."""
+    comm, op = _comm(comm), _op(op, x, "reduce_scatter")
+    rows = _rows(x, "reduce_scatter")
+    counts = _counts(counts, rows, comm.size, "reduce_scatter", "len(x)")
+    shape = (counts[comm.rank], *x.shape[1:])
+    out = _out(out, x, shape, "reduce_scatter")
+    schedule = _schedule(Collective.REDUCE_SCATTER, x.nbytes, comm, algorithm)
+    layout = Layout([c * _row_size(x) for c in counts], schedule.nsegments)
+    work = np.empty(x.size, x.dtype)
+    _run(comm, schedule, x, work, layout, layout, op)
+    start, stop = layout.block_range(comm.rank)
+    result = work[start:stop]
+    finish(result, op, comm.size)
+    out.reshape(-1)[...] = result
+    return out
+
+
+def allgather(
+    x: np.ndarray,
+    *,
+    counts: list[int] | None = None,
+    out: np.ndarray | None = None,
+    comm: Communicator | None = None,
+    algorithm: str = "auto",
+) -> np.ndarray:
+    """Every rank's ``x`` concatenated in rank order along the first axis, on every rank.
+
+    Without ``counts`` every rank's ``x`` has the same shape; with them, rank r's has
+    ``counts[r]`` rows.
+    """
+    comm = _comm(comm)
+    _check_array(x, "allgather")
+    rows = _rows(x, "allgather")
+    if counts is None:
+        counts = [rows] * comm.size
+    else:
+        counts = _counts(counts, None, comm.size, "allgather", "")
+        if counts[comm.rank] != rows:
+            raise ValueError(
+                f"allgather: counts[{comm.rank}]={counts[comm.rank]} but this rank's x has "
+                f"{rows} rows; counts[r] must be the length of rank r's x"
+            )
+    out = _out(out, x, (sum(counts), *x.shape[1:]), "allgather")
+    schedule = _schedule(Collective.ALLGATHER, x.nbytes * comm.size, comm, algorithm)
+    row = _row_size(x)
+    work_layout = Layout([c * row for c in counts], schedule.nsegments)
+    input_layout = Layout([x.size], schedule.nsegments)
+    _run(comm, schedule, x, out, input_layout, work_layout, None)
+    return out
+
+
+def broadcast(
+    x: np.ndarray,
+    root: int = 0,
+    *,
+    comm: Communicator | None = None,
+    algorithm: str = "auto",
+) -> np.ndarray:
+    """Copy root's ``x`` into every rank's ``x`` (in place); returns ``x``."""
+    comm = _comm(comm)
+    _check_array(x, "broadcast")
+    _writable(x, "x", "broadcast")
+    root = _root(root, comm, "broadcast")
+    schedule = _schedule(Collective.BROADCAST, x.nbytes, comm, algorithm, root=root)
+    layout = Layout.even(x.size, schedule.nblocks, schedule.nsegments)
+    _run(comm, schedule, x, x, layout, layout, None)
+    return x
+
+
+def reduce(
+    x: np.ndarray,
+    op: OpLike = "sum",
+    root: int = 0,
+    *,
+    out: np.ndarray | None = None,
+    comm: Communicator | None = None,
+    algorithm: str = "auto",
+) -> np.ndarray | None:
+    """Combine ``x`` over all ranks at ``root``; returns the result there, None elsewhere."""
+    comm, op = _comm(comm), _op(op, x, "reduce")
+    root = _root(root, comm, "reduce")
+    if comm.rank == root:
+        out = _out(out, x, x.shape, "reduce", may_alias=True)
+        work = out
+    else:
+        work = np.empty_like(x)  # partial results pass through non-root ranks
+    schedule = _schedule(Collective.REDUCE, x.nbytes, comm, algorithm, root=root)
+    layout = Layout.even(x.size, schedule.nblocks, schedule.nsegments)
+    _run(comm, schedule, x, work, layout, layout, op)
+    if comm.rank != root:
+        return None
+    finish(out.reshape(-1), op, comm.size)
+    return out
+
+
+def alltoall(
+    x: np.ndarray,
+    *,
+    out: np.ndarray | None = None,
+    comm: Communicator | None = None,
+) -> np.ndarray:
+    """Rank r sends its j-th equal piece of ``x`` to rank j; pieces arrive in source order."""
+    comm = _comm(comm)
+    _check_array(x, "alltoall")
+    rows = _rows(x, "alltoall")
+    counts = _counts(None, rows, comm.size, "alltoall", "len(x)")
+    out = _out(out, x, x.shape, "alltoall", may_alias=True)
+    return _alltoallv(x, counts, counts, out, comm)
+
+
+def alltoallv(
+    x: np.ndarray,
+    send_counts: list[int],
+    recv_counts: list[int] | None = None,
+    *,
+    comm: Communicator | None = None,
+) -> np.ndarray:
+    """Rank r sends ``send_counts[j]`` rows of ``x`` to rank j, in order of j.
+
+    Returns what arrived, in source-rank order. The counts are exchanged first; given
+    ``recv_counts`` are checked against what the peers send, on every rank.
+    """
+    comm = _comm(comm)
+    _check_array(x, "alltoallv")
+    rows = _rows(x, "alltoallv")
+    send_counts = _counts(send_counts, rows, comm.size, "alltoallv", "len(x)", "send_counts")
+    if recv_counts is not None:
+        recv_counts = _counts(recv_counts, None, comm.size, "alltoallv", "", "recv_counts")
+    # Every rank learns every rank's counts, so that every rank reports the same mismatch.
+    mine = np.array(send_counts + (recv_counts or [-1] * comm.size), np.int64)
+    table = allgather(mine, comm=comm, algorithm="direct").reshape(comm.size, 2, comm.size)
+    sent, expected = table[:, 0, :], table[:, 1, :]
+    for dst in range(comm.size):
+        for src in range(comm.size):
+            if expected[dst, 0] >= 0 and expected[dst, src] != sent[src, dst]:
+                raise ValueError(
+                    f"alltoallv: rank {src} sends {sent[src, dst]} rows to rank {dst} "
+                    f"(its send_counts[{dst}]) but rank {dst} expects {expected[dst, src]} "
+                    f"(its recv_counts[{src}]); the counts must agree between peers"
+                )
+    arrived = [int(c) for c in sent[:, comm.rank]]
+    out = np.empty((sum(arrived), *x.shape[1:]), x.dtype)
+    return _alltoallv(x, send_counts, arrived, out, comm)
+
+
+def _alltoallv(x, send_counts, recv_counts, out, comm) -> np.ndarray:
+    schedule = _schedule(Collective.ALLTOALL, x.nbytes, comm, "direct")
+    row = _row_size(x)
+    input_layout = Layout([c * row for c in send_counts], schedule.nsegments)
+    work_layout = Layout([c * row for c in recv_counts], schedule.nsegments)
+    _run(comm, schedule, x, out, input_layout, work_layout, None)
+    return out
+
+
+def send(x: np.ndarray, dst: int, tag: int = 0, *, comm: Communicator | None = None) -> None:
+    """Send ``x`` to rank ``dst``; returns when ``dst`` has received it."""
+    comm = _comm(comm)
+    _check_array(x, "send")
+    dst = _peer(dst, comm, "send", "dst")
+    _point_to_point(comm, x, x, comm.rank, dst, _tag(tag, "send"))
+
+
+def recv(
+    out: np.ndarray, src: int, tag: int = 0, *, comm: Communicator | None = None
+) -> np.ndarray:
+    """Receive into ``out`` what rank ``src`` sends with ``tag``; returns ``out``."""
+    comm = _comm(comm)
+    _check_array(out, "recv", "out")
+    _writable(out, "out", "recv")
+    src = _peer(src, comm, "recv", "src")
+    _point_to_point(comm, out, out, src, comm.rank, _tag(tag, "recv"))
+    return out
+
+
+def barrier(comm: Communicator | None = None) -> None:
+    """Return only once every rank of ``comm`` has entered the barrier."""
+    allreduce(np.zeros(1, np.int8), comm=_comm(comm), algorithm="direct")
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _comm(comm: Communicator | None) -> Communicator:
+    if comm is None:
+        return world()
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"comm={comm!r} is not a pycoll.Communicator; allowed: one, or None")
+    return comm
+
+
+def _check_array(x: object, collective: str, name: str = "x") -> None:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{collective}: {name} is a {type(x).__name__}; allowed: a numpy.ndarray")
+    check_dtype(x.dtype)
+    if not x.flags.c_contiguous:
+        raise ValueError(
+            f"{collective}: {name} is not C-contiguous (strides {x.strides}); "
+            f"pass numpy.ascontiguousarray({name})"
+        )
+
+
+def _writable(x: np.ndarray, name: str, collective: str) -> None:
+    if not x.flags.writeable:
+        raise ValueError(f"{collective}: {name} is read-only; the result is written into it")
+
+
+def _op(op: OpLike, x: np.ndarray, collective: str) -> ReduceOp:
+    _check_array(x, collective)
+    op = ReduceOp.parse(op)
+    check_op_for_dtype(op, x.dtype)
+    return op
+
+
+def _rows(x: np.ndarray, collective: str) -> int:
+    if x.ndim == 0:
+        raise ValueError(f"{collective}: x is 0-dimensional; allowed: an array of rows (ndim >= 1)")
+    return x.shape[0]
+
+
+def _row_size(x: np.ndarray) -> int:
+    return math.prod(x.shape[1:])
+
+
+def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
+    """Validate per-rank row counts, or split ``rows`` evenly when ``counts`` is None."""
+    if counts is None:
+        if rows % nranks:
+            raise ValueError(
+                f"{collective}: {what}={rows} does not divide by the {nranks} ranks; "
+                f"pass counts=[...] ({nranks} row counts summing to {rows})"
+            )
+        return split(rows, nranks)
+    try:
+        values = [int(c) for c in counts]
+        integral = all(int(c) == c for c in counts)
+    except (TypeError, ValueError):
+        values, integral = [], False
+    if not integral or len(values) != nranks or any(c < 0 for c in values):
+        raise ValueError(
+            f"{collective}: {name}={counts!r} is invalid; allowed: {nranks} non-negative ints, "
+            "one per rank"
+        )
+    if rows is not None and sum(values) != rows:
+        raise ValueError(
+            f"{collective}: {name}={values} sums to {sum(values)} but {what}={rows}; "
+            f"they must be equal"
+        )
+    return values
+
+
+def _out(out, x, shape, collective, may_alias=False) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, x.dtype)
+    _check_array(out, collective, "out")
+    _writable(out, "out", collective)
+    if out.dtype != x.dtype:
+        raise TypeError(
+            f"{collective}: out.dtype={out.dtype} but x.dtype={x.dtype}; they must match"
+        )
+    if out.shape != tuple(shape):
+        raise ValueError(f"{collective}: out.shape={out.shape}; allowed: {tuple(shape)}")
+    if np.shares_memory(out, x) and not (may_alias and _same_memory(out, x)):
+        raise ValueError(
+            f"{collective}: out overlaps x; pass out=x exactly (in place)"
+            if may_alias
+            else f"{collective}: out overlaps x; allowed: separate arrays"
+        )
+    return out
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.nbytes == b.nbytes
+    )
+
+
+def _root(root: int, comm: Communicator, collective: str) -> int:
+    return _peer(root, comm, collective, "root", allow_self=True)
+
+
+def _peer(peer: int, comm: Communicator, collective: str, name: str, allow_self=False) -> int:
+    valid = isinstance(peer, int | np.integer) and not isinstance(peer, bool)
+    if not valid or not 0 <= peer < comm.size or (not allow_self and peer == comm.rank):
+        others = "" if allow_self else f", other than this rank {comm.rank}"
+        raise ValueError(
+            f"{collective}: {name}={peer!r} is not a rank; allowed: 0..{comm.size - 1}{others}"
+        )
+    return int(peer)
+
+
+def _tag(tag: int, collective: str) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int | np.integer) or not 0 <= tag < 32767:
+        raise ValueError(f"{collective}: tag={tag!r} is invalid; allowed: an int in 0..32766")
+    return int(tag)
+
+
+def _schedule(collective, nbytes, comm, algorithm, root=None, peer=None) -> Schedule:
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm={algorithm!r} is not a name; allowed: 'auto' or a family name")
+    plan = plan_for(collective, nbytes, comm.size, algorithm)
+    return algorithms.build(plan.algorithm, collective, comm.size, plan.nsegments, root, peer)
+
+
+def _run(comm, schedule, x, work, input_layout, work_layout, op, transport=None, tag=None):
+    source, target = x.reshape(-1), work.reshape(-1)
+    if comm.rank in schedule.input_read_late and np.shares_memory(source, target):
+        source = source.copy()  # in place, yet the schedule reads INPUT after WORK changed
+    buffers = Buffers(source, target, input_layout, work_layout)
+    reducer = partial(reduce_into, op=op) if op is not None else _no_reduction
+    execute(
+        schedule,
+        comm.rank,
+        buffers,
+        transport or comm.transport,
+        comm.next_tag() if tag is None else tag,
+        reducer,
+    )
+
+
+def _point_to_point(comm, x, work, src, dst, tag) -> None:
+    plan = plan_for(Collective.SENDRECV, x.nbytes, comm.size, "direct")
+    schedule = algorithms.build("direct", Collective.SENDRECV, comm.size, plan.nsegments, src, dst)
+    layout = Layout.even(x.size, schedule.nblocks, schedule.nsegments)
+    _run(comm, schedule, x, work, layout, layout, None, transport=comm.p2p, tag=tag)
+
+
+def _no_reduction(target: np.ndarray, incoming: np.ndarray) -> None:
+    raise RuntimeError("this collective does not reduce, yet its schedule asked for a reduction")

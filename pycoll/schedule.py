@@ -1,0 +1,260 @@
+"""Schedules: what every rank sends, receives and reduces, step by step, as plain data.
+
+A schedule knows nothing of arrays, transports or devices. Each rank owns two buffers:
+
+* ``INPUT``: the caller's array, read only;
+* ``WORK``: the result being built. Before the first step the executor seeds it from
+  ``INPUT`` as the collective's contract says (:func:`seeded_chunks`); afterwards only the
+  schedule's transfers change it.
+
+Both buffers are cut into ``nblocks * nsegments`` chunks: chunk ``block * nsegments + segment``.
+A block is a rank's shard for the sharded collectives (ReduceScatter, AllGather, AllToAll, with
+the caller's per-rank counts), otherwise an even share of the array; segments split each block
+again so that pipelining is more chunks, not new code. :class:`Layout` maps chunks to element
+ranges for any count, including uneven splits and empty chunks.
+
+A rank's steps run in order. The transfers of one step may run together: sends read the chunk as
+it was when the step began, receives land when the step ends. The k-th send from rank a to rank b
+pairs with the k-th receive at b from a, as MPI's ordered matching does.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+
+class Collective(str, enum.Enum):
+    ALLREDUCE = "allreduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALLGATHER = "allgather"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    ALLTOALL = "alltoall"  # AllToAllv runs the same schedules with per-peer counts
+    SENDRECV = "sendrecv"
+
+
+# Collectives whose blocks are rank shards sized by the caller's counts.
+SHARDED = frozenset({Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL})
+ROOTED = frozenset({Collective.BROADCAST, Collective.REDUCE})
+REDUCING = frozenset({Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE})
+
+
+class Buffer(str, enum.Enum):
+    WORK = "work"
+    INPUT = "input"
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send my ``chunk`` of ``buffer`` to ``peer``."""
+
+    peer: int
+    chunk: int
+    buffer: Buffer = Buffer.WORK
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Receive from ``peer`` into my WORK ``chunk``: combine with it, or overwrite it."""
+
+    peer: int
+    chunk: int
+    reduce: bool
+
+
+Transfer = Send | Recv
+Step = tuple[Transfer, ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    collective: Collective
+    algorithm: str
+    nranks: int
+    nblocks: int
+    nsegments: int
+    steps: tuple[tuple[Step, ...], ...]  # steps[rank]: that rank's steps, in order
+    root: int | None = None  # Broadcast/Reduce root; the sender of Send/Recv
+    peer: int | None = None  # the receiver of Send/Recv
+
+    @property
+    def nchunks(self) -> int:
+        return self.nblocks * self.nsegments
+
+    def chunk(self, block: int, segment: int = 0) -> int:
+        return block * self.nsegments + segment
+
+    def block_of(self, chunk: int) -> int:
+        return chunk // self.nsegments
+
+    def segment_of(self, chunk: int) -> int:
+        return chunk % self.nsegments
+
+    @cached_property
+    def input_read_late(self) -> frozenset[int]:
+        """Ranks that send from INPUT and also receive into WORK: there the two must not alias."""
+        return frozenset(
+            rank
+            for rank, steps in enumerate(self.steps)
+            if any(isinstance(t, Send) and t.buffer is Buffer.INPUT for s in steps for t in s)
+            and any(isinstance(t, Recv) for s in steps for t in s)
+        )
+
+    def count(self, kind: type) -> int:
+        """How many transfers of ``kind`` (Send or Recv) the schedule holds, over all ranks."""
+        return sum(isinstance(t, kind) for rank in self.steps for step in rank for t in step)
+
+
+def split(count: int, parts: int) -> list[int]:
+    """``count`` elements in ``parts`` shares that differ by at most one, larger shares first."""
+    base, extra = divmod(count, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+class Layout:
+    """Element ranges of every chunk, for blocks of the given sizes split into segments."""
+
+    def __init__(self, block_counts: list[int], nsegments: int):
+        self.block_counts = list(block_counts)
+        self.nsegments = nsegments
+        self.offsets = [0]
+        for block_count in self.block_counts:
+            for segment_count in split(block_count, nsegments):
+                self.offsets.append(self.offsets[-1] + segment_count)
+
+    @classmethod
+    def even(cls, count: int, nblocks: int, nsegments: int) -> Layout:
+        return cls(split(count, nblocks), nsegments)
+
+    @property
+    def total(self) -> int:
+        return self.offsets[-1]
+
+    def chunk_range(self, chunk: int) -> tuple[int, int]:
+        return self.offsets[chunk], self.offsets[chunk + 1]
+
+    def block_range(self, block: int) -> tuple[int, int]:
+        return self.offsets[block * self.nsegments], self.offsets[(block + 1) * self.nsegments]
+
+
+def seeded_chunks(schedule: Schedule, rank: int) -> Iterator[tuple[int, int]]:
+    """The (input chunk, work chunk) pairs the executor copies before the first step.
+
+    This is the contract's starting placement, the same for every algorithm of a collective.
+    """
+    collective, nseg = schedule.collective, schedule.nsegments
+    if collective in REDUCING:
+        yield from ((c, c) for c in range(schedule.nchunks))
+    elif collective is Collective.BROADCAST:
+        if rank == schedule.root:
+            yield from ((c, c) for c in range(schedule.nchunks))
+    elif collective is Collective.ALLGATHER:
+        # INPUT is this rank's shard alone: its chunks are the segments of block 0.
+        yield from ((s, schedule.chunk(rank, s)) for s in range(nseg))
+    elif collective is Collective.ALLTOALL:
+        # The piece addressed to myself stays local.
+        yield from ((schedule.chunk(rank, s), schedule.chunk(rank, s)) for s in range(nseg))
+    # Send/Recv seeds nothing: the sender sends straight from INPUT.
+
+
+def result_chunks(schedule: Schedule, rank: int) -> range:
+    """The WORK chunks that hold this rank's result when the schedule ends."""
+    collective = schedule.collective
+    if collective is Collective.REDUCE_SCATTER:
+        return range(schedule.chunk(rank), schedule.chunk(rank + 1))
+    if collective is Collective.REDUCE:
+        return range(schedule.nchunks if rank == schedule.root else 0)
+    if collective is Collective.SENDRECV:
+        return range(schedule.nchunks if rank == schedule.peer else 0)
+    return range(schedule.nchunks)
+
+
+@dataclass
+class ScheduleBuilder:
+    """Collects each rank's transfers in program order and packs them into steps.
+
+    An algorithm adds transfers as the textbook loop reads (``transfer(src, dst, chunk)``);
+    consecutive transfers of a rank share a step until one would touch a chunk the open step
+    already receives into, or receive into a chunk it sends. Packing only posts work earlier,
+    so it never adds a wait that the program order did not have. ``end_step`` forces a boundary.
+    """
+
+    collective: Collective
+    algorithm: str
+    nranks: int
+    nblocks: int
+    nsegments: int = 1
+    root: int | None = None
+    peer: int | None = None
+    _done: list[list[Step]] = field(init=False)
+    _open: list[list[Transfer]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._done = [[] for _ in range(self.nranks)]
+        self._open = [[] for _ in range(self.nranks)]
+
+    def chunk(self, block: int, segment: int = 0) -> int:
+        return block * self.nsegments + segment
+
+    def chunks_of_block(self, block: int) -> range:
+        return range(self.chunk(block), self.chunk(block + 1))
+
+    def add(self, rank: int, transfer: Transfer) -> None:
+        if _conflicts(self._open[rank], transfer):
+            self.end_step(rank)
+        self._open[rank].append(transfer)
+
+    def transfer(
+        self,
+        src: int,
+        dst: int,
+        chunk: int,
+        *,
+        reduce: bool = False,
+        dst_chunk: int | None = None,
+        buffer: Buffer = Buffer.WORK,
+    ) -> None:
+        """``src`` sends ``chunk`` to ``dst``, which copies or reduces it into ``dst_chunk``."""
+        self.add(src, Send(dst, chunk, buffer))
+        self.add(dst, Recv(src, chunk if dst_chunk is None else dst_chunk, reduce))
+
+    def end_step(self, rank: int | None = None) -> None:
+        for r in range(self.nranks) if rank is None else (rank,):
+            if self._open[r]:
+                self._done[r].append(tuple(self._open[r]))
+                self._open[r] = []
+
+    def build(self) -> Schedule:
+        self.end_step()
+        return Schedule(
+            collective=self.collective,
+            algorithm=self.algorithm,
+            nranks=self.nranks,
+            nblocks=self.nblocks,
+            nsegments=self.nsegments,
+            steps=tuple(tuple(rank_steps) for rank_steps in self._done),
+            root=self.root,
+            peer=self.peer,
+        )
+
+
+def step_hazard(step: Step | list[Transfer], transfer: Transfer) -> str | None:
+    """Why ``transfer`` cannot run in the same step as ``step``'s transfers, or None."""
+    received = {t.chunk: t.reduce for t in step if isinstance(t, Recv)}
+    sent = {t.chunk for t in step if isinstance(t, Send) and t.buffer is Buffer.WORK}
+    if isinstance(transfer, Send):
+        if transfer.buffer is Buffer.WORK and transfer.chunk in received:
+            return f"sends chunk {transfer.chunk} while the same step receives into it"
+        return None
+    if transfer.chunk in sent:
+        return f"receives into chunk {transfer.chunk} while the same step sends it"
+    if transfer.chunk in received and not (transfer.reduce and received[transfer.chunk]):
+        return f"receives into chunk {transfer.chunk} twice in one step, not both reducing"
+    return None
+
+
+def _conflicts(step: list[Transfer], transfer: Transfer) -> bool:
+    return step_hazard(step, transfer) is not None

@@ -1,0 +1,293 @@
+"""Every collective × algorithm against the numpy oracle, on in-process ranks.
+
+Rank counts include 1 and primes; element counts include 0, 1, p−1, p+1 (never divisible by p
+for p > 2), a prime and about 100 000. Op and dtype rotate through the matrix so that every
+op and every dtype meets every collective somewhere, and the full op × dtype table runs on
+AllReduce; integer-valued inputs make every result exact, so equality is bitwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from conftest import ALL_DTYPES, exact_input, ops_for
+
+import pycoll
+from pycoll import oracle
+from pycoll.algorithms import families_for
+from pycoll.schedule import Collective
+
+RANKS = [1, 2, 3, 4, 5, 7, 8]
+LARGE = 100_003
+
+
+def sizes(nranks: int) -> list[int]:
+    return sorted({0, 1, max(nranks - 1, 0), nranks + 1, 13})
+
+
+def cases(collective: Collective):
+    combos = []
+    for algorithm in families_for(collective):
+        for nranks in RANKS:
+            for count in sizes(nranks):
+                combos.append((algorithm, nranks, count))
+        combos.append((algorithm, 4, LARGE))
+        combos.append((algorithm, 7, LARGE))
+    return combos
+
+
+def pick(index: int, reducing: bool):
+    """Rotate dtype and op through the matrix, deterministically."""
+    dtype = ALL_DTYPES[index % len(ALL_DTYPES)]
+    ops = ops_for(dtype)
+    return dtype, (ops[(index // len(ALL_DTYPES)) % len(ops)] if reducing else None)
+
+
+def _identical_everywhere(results) -> None:
+    first = results[0].tobytes()
+    assert all(r.tobytes() == first for r in results), "ranks hold different bits"
+
+
+@pytest.mark.parametrize(
+    "index,algorithm,nranks,count", [(i, *c) for i, c in enumerate(cases(Collective.ALLREDUCE))]
+)
+def test_allreduce(index, algorithm, nranks, count):
+    dtype, op = pick(index, True)
+    inputs = [exact_input(r, count, dtype, op, index) for r in range(nranks)]
+    results = pycoll.run_local(
+        nranks, lambda: pycoll.allreduce(inputs[pycoll.world().rank], op, algorithm=algorithm)
+    )
+    expected = oracle.allreduce(inputs, op)
+    for result in results:
+        np.testing.assert_array_equal(result, expected)
+        assert result.dtype == dtype
+    _identical_everywhere(results)
+
+
+@pytest.mark.parametrize(
+    "index,algorithm,nranks,count",
+    [(i, *c) for i, c in enumerate(cases(Collective.REDUCE_SCATTER))],
+)
+def test_reduce_scatter(index, algorithm, nranks, count):
+    dtype, op = pick(index, True)
+    # Uneven shards through counts; the even form when the length divides.
+    counts = [len(part) for part in np.array_split(np.arange(count), nranks)][::-1]
+    inputs = [exact_input(r, count, dtype, op, index) for r in range(nranks)]
+    results = pycoll.run_local(
+        nranks,
+        lambda: pycoll.reduce_scatter(
+            inputs[pycoll.world().rank], op, counts=counts, algorithm=algorithm
+        ),
+    )
+    expected = oracle.reduce_scatter(inputs, op, counts)
+    for result, want in zip(results, expected):
+        np.testing.assert_array_equal(result, want)
+
+
+@pytest.mark.parametrize(
+    "index,algorithm,nranks,count", [(i, *c) for i, c in enumerate(cases(Collective.ALLGATHER))]
+)
+def test_allgather(index, algorithm, nranks, count):
+    dtype, _ = pick(index, False)
+    counts = [len(part) for part in np.array_split(np.arange(count), nranks)]
+    inputs = [exact_input(r, counts[r], dtype, "sum", index) for r in range(nranks)]
+    results = pycoll.run_local(
+        nranks,
+        lambda: pycoll.allgather(inputs[pycoll.world().rank], counts=counts, algorithm=algorithm),
+    )
+    expected = oracle.allgather(inputs)
+    for result in results:
+        np.testing.assert_array_equal(result, expected)
+    _identical_everywhere(results)
+
+
+@pytest.mark.parametrize(
+    "index,algorithm,nranks,count", [(i, *c) for i, c in enumerate(cases(Collective.BROADCAST))]
+)
+def test_broadcast(index, algorithm, nranks, count):
+    dtype, _ = pick(index, False)
+    root = index % nranks
+    inputs = [exact_input(r, count, dtype, "sum", index) for r in range(nranks)]
+    results = pycoll.run_local(
+        nranks,
+        lambda: pycoll.broadcast(inputs[pycoll.world().rank].copy(), root, algorithm=algorithm),
+    )
+    for result in results:
+        np.testing.assert_array_equal(result, oracle.broadcast(inputs, root))
+
+
+@pytest.mark.parametrize(
+    "index,algorithm,nranks,count", [(i, *c) for i, c in enumerate(cases(Collective.REDUCE))]
+)
+def test_reduce(index, algorithm, nranks, count):
+    dtype, op = pick(index, True)
+    root = (index * 7) % nranks
+    inputs = [exact_input(r, count, dtype, op, index) for r in range(nranks)]
+    results = pycoll.run_local(
+        nranks, lambda: pycoll.reduce(inputs[pycoll.world().rank], op, root, algorithm=algorithm)
+    )
+    for rank, result in enumerate(results):
+        if rank == root:
+            np.testing.assert_array_equal(result, oracle.reduce(inputs, op, root))
+        else:
+            assert result is None
+
+
+@pytest.mark.parametrize("nranks", RANKS)
+@pytest.mark.parametrize("per_peer", [0, 1, 3])
+def test_alltoall(nranks, per_peer):
+    dtype = ALL_DTYPES[(nranks + per_peer) % len(ALL_DTYPES)]
+    inputs = [exact_input(r, nranks * per_peer, dtype, "sum", r) for r in range(nranks)]
+    results = pycoll.run_local(nranks, lambda: pycoll.alltoall(inputs[pycoll.world().rank]))
+    for result, want in zip(results, oracle.alltoall(inputs)):
+        np.testing.assert_array_equal(result, want)
+
+
+@pytest.mark.parametrize("nranks", RANKS)
+def test_alltoallv_uneven_and_empty(nranks):
+    rng = np.random.default_rng(nranks)
+    send_counts = rng.integers(0, 4, size=(nranks, nranks))
+    send_counts[:, 0] = 0  # rank 0 receives nothing: an empty destination
+    inputs = [np.arange(send_counts[r].sum(), dtype=np.int32) + 100 * r for r in range(nranks)]
+
+    def body():
+        rank = pycoll.world().rank
+        given = [int(c) for c in send_counts[:, rank]] if rank % 2 else None
+        return pycoll.alltoallv(inputs[rank], send_counts[rank].tolist(), given)
+
+    results = pycoll.run_local(nranks, body)
+    for result, want in zip(results, oracle.alltoallv(inputs, send_counts.tolist())):
+        np.testing.assert_array_equal(result, want)
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 5])
+@pytest.mark.parametrize("count", [0, 1, 1000])
+def test_send_recv(nranks, count):
+    payloads = [np.arange(count, dtype=np.float32) + r for r in range(nranks)]
+
+    def body():
+        rank, size = pycoll.world().rank, pycoll.world().size
+        # Each rank passes to the next; even ranks send first so no pair waits on itself.
+        received = np.full(count, -1, np.float32)
+        if rank % 2 == 0:
+            pycoll.send(payloads[rank], (rank + 1) % size, tag=7)
+            pycoll.recv(received, (rank - 1) % size, tag=7)
+        else:
+            pycoll.recv(received, (rank - 1) % size, tag=7)
+            pycoll.send(payloads[rank], (rank + 1) % size, tag=7)
+        return received
+
+    results = pycoll.run_local(nranks, body)
+    for rank, result in enumerate(results):
+        np.testing.assert_array_equal(result, payloads[(rank - 1) % nranks])
+
+
+def _allreduce_own_row(inputs, op, algorithm):
+    return pycoll.allreduce(inputs[pycoll.world().rank], op, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("algorithm", families_for(Collective.ALLREDUCE))
+def test_allreduce_every_op_and_dtype(dtype, algorithm):
+    nranks, count = 3, 11
+    for op in ops_for(dtype):
+        inputs = [exact_input(r, count, dtype, op) for r in range(nranks)]
+        results = pycoll.run_local(nranks, _allreduce_own_row, inputs, op, algorithm)
+        for result in results:
+            np.testing.assert_array_equal(result, oracle.allreduce(inputs, op), err_msg=op)
+
+
+@pytest.mark.parametrize(
+    "collective,algorithm",
+    [
+        (c, a)
+        for c in (
+            Collective.ALLREDUCE,
+            Collective.REDUCE_SCATTER,
+            Collective.ALLGATHER,
+            Collective.BROADCAST,
+            Collective.REDUCE,
+        )
+        for a in families_for(c)
+    ],
+)
+@pytest.mark.parametrize("nsegments", [2, 5])
+def test_many_segments(collective, algorithm, nsegments, segments):
+    """Shrunk segments, as Gloo's tests do, so a small run still crosses many segments."""
+    segments(nsegments)
+    nranks, count = 5, 37
+    inputs = [exact_input(r, count, np.dtype(np.int64), "sum") for r in range(nranks)]
+    calls = {
+        Collective.ALLREDUCE: lambda x: pycoll.allreduce(x, algorithm=algorithm),
+        Collective.REDUCE_SCATTER: lambda x: pycoll.reduce_scatter(
+            x, counts=[8, 7, 8, 7, 7], algorithm=algorithm
+        ),
+        Collective.ALLGATHER: lambda x: pycoll.allgather(x, algorithm=algorithm),
+        Collective.BROADCAST: lambda x: pycoll.broadcast(x.copy(), 2, algorithm=algorithm),
+        Collective.REDUCE: lambda x: pycoll.reduce(x, "sum", 3, algorithm=algorithm),
+    }
+    results = pycoll.run_local(nranks, lambda: calls[collective](inputs[pycoll.world().rank]))
+    total = oracle.allreduce(inputs, "sum")
+    for rank, result in enumerate(results):
+        if collective is Collective.ALLREDUCE:
+            np.testing.assert_array_equal(result, total)
+        elif collective is Collective.REDUCE_SCATTER:
+            np.testing.assert_array_equal(
+                result, oracle.reduce_scatter(inputs, "sum", [8, 7, 8, 7, 7])[rank]
+            )
+        elif collective is Collective.ALLGATHER:
+            np.testing.assert_array_equal(result, oracle.allgather(inputs))
+        elif collective is Collective.BROADCAST:
+            np.testing.assert_array_equal(result, inputs[2])
+        elif rank == 3:
+            np.testing.assert_array_equal(result, total)
+
+
+def test_in_place_and_out():
+    def body():
+        rank = pycoll.world().rank
+        x = np.arange(10, dtype=np.int32) * (rank + 1)
+        out = np.empty_like(x)
+        assert pycoll.allreduce(x, out=out, algorithm="ring") is out
+        same = pycoll.allreduce(x, out=x, algorithm="direct")  # reads INPUT: must still be exact
+        assert same is x
+        return out, x
+
+    for out, x in pycoll.run_local(3, body):
+        np.testing.assert_array_equal(out, np.arange(10) * 6)
+        np.testing.assert_array_equal(x, np.arange(10) * 6)
+
+
+def test_two_dimensional_rows():
+    def body():
+        rank = pycoll.world().rank
+        x = np.full((4, 3), rank + 1, np.float32)
+        shard = pycoll.reduce_scatter(x)
+        gathered = pycoll.allgather(shard)
+        return shard.shape, gathered
+
+    for shape, gathered in pycoll.run_local(2, body):
+        assert shape == (2, 3)
+        np.testing.assert_array_equal(gathered, np.full((4, 3), 3, np.float32))
+
+
+def test_back_to_back_collectives_do_not_mix():
+    def body():
+        rank = pycoll.world().rank
+        results = []
+        for i, algorithm in itertools.product(range(5), ("ring", "tree", "direct")):
+            results.append(pycoll.allreduce(np.full(6, rank + i, np.int64), algorithm=algorithm))
+        pycoll.barrier()
+        return results
+
+    for results in pycoll.run_local(4, body):
+        for (i, _), result in zip(itertools.product(range(5), range(3)), results):
+            np.testing.assert_array_equal(result, np.full(6, 6 + 4 * i))
+
+
+def test_world_outside_run_local_is_one_rank():
+    x = np.arange(5.0)
+    np.testing.assert_array_equal(pycoll.allreduce(x), x)
+    assert pycoll.world().size == 1 and pycoll.world().rank == 0

@@ -1,0 +1,215 @@
+"""Bad input gets a clear error naming the argument, on every rank; no rank hangs."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pytest
+
+import pycoll
+
+
+def every_rank(nranks, call):
+    """Run ``call`` on every rank and return what each rank raised."""
+
+    def body():
+        try:
+            call(pycoll.world().rank)
+        except Exception as error:  # the test inspects every rank's error
+            return error
+        return None
+
+    return pycoll.run_local(nranks, body)
+
+
+X = np.arange(8, dtype=np.int32)
+
+BAD_CALLS = [
+    (
+        "out dtype",
+        lambda r: pycoll.allreduce(X, out=np.empty(8, np.float32)),
+        TypeError,
+        r"out.dtype=float32 but x.dtype=int32",
+    ),
+    (
+        "out shape",
+        lambda r: pycoll.allreduce(X, out=np.empty(9, np.int32)),
+        ValueError,
+        r"out.shape=\(9,\); allowed: \(8,\)",
+    ),
+    (
+        "read-only out",
+        lambda r: pycoll.allreduce(X, out=_read_only()),
+        ValueError,
+        r"out is read-only",
+    ),
+    (
+        "non-contiguous",
+        lambda r: pycoll.allreduce(np.arange(16)[::2]),
+        ValueError,
+        r"x is not C-contiguous",
+    ),
+    (
+        "not an array",
+        lambda r: pycoll.allreduce([1, 2, 3]),
+        TypeError,
+        r"x is a list; allowed: a numpy.ndarray",
+    ),
+    ("bool dtype", lambda r: pycoll.allreduce(np.ones(3, bool)), TypeError, r"bool"),
+    (
+        "root range",
+        lambda r: pycoll.broadcast(X.copy(), root=4),
+        ValueError,
+        r"root=4 is not a rank; allowed: 0..3",
+    ),
+    (
+        "root negative",
+        lambda r: pycoll.reduce(X, root=-1),
+        ValueError,
+        r"root=-1 is not a rank; allowed: 0..3",
+    ),
+    (
+        "counts sum",
+        lambda r: pycoll.reduce_scatter(X, counts=[1, 2, 3, 1]),
+        ValueError,
+        r"counts=\[1, 2, 3, 1\] sums to 7 but len\(x\)=8",
+    ),
+    (
+        "counts length",
+        lambda r: pycoll.reduce_scatter(X, counts=[4, 4]),
+        ValueError,
+        r"counts=\[4, 4\] is invalid; allowed: 4 non-negative ints",
+    ),
+    (
+        "not divisible",
+        lambda r: pycoll.reduce_scatter(np.arange(7)),
+        ValueError,
+        r"len\(x\)=7 does not divide by the 4 ranks",
+    ),
+    ("op name", lambda r: pycoll.allreduce(X, "mean"), ValueError, r"op='mean' is not a reduction"),
+    (
+        "op for dtype",
+        lambda r: pycoll.allreduce(np.ones(3, np.complex64), "max"),
+        ValueError,
+        r"max.*complex64",
+    ),
+    (
+        "unknown algorithm",
+        lambda r: pycoll.allreduce(X, algorithm="butterfly"),
+        ValueError,
+        r"algorithm='butterfly' is not an algorithm family; allowed: 'ring', 'tree'",
+    ),
+    (
+        "family without schedule",
+        lambda r: pycoll.broadcast(X.copy(), algorithm="direct"),
+        ValueError,
+        r"algorithm='direct' has no broadcast schedule; allowed for broadcast:",
+    ),
+    (
+        "send to self",
+        lambda r: pycoll.send(X, dst=r),
+        ValueError,
+        r"dst=\d is not a rank; allowed: 0..3, other than this rank",
+    ),
+    (
+        "bad tag",
+        lambda r: pycoll.send(X, dst=(r + 1) % 4, tag=-2),
+        ValueError,
+        r"tag=-2 is invalid",
+    ),
+    (
+        "alltoall divisibility",
+        lambda r: pycoll.alltoall(np.arange(6)),
+        ValueError,
+        r"len\(x\)=6 does not divide by the 4 ranks",
+    ),
+]
+
+
+def _read_only():
+    out = np.zeros(8, np.int32)
+    out.flags.writeable = False
+    return out
+
+
+@pytest.mark.parametrize("name,call,kind,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_raises_on_every_rank(name, call, kind, message):
+    errors = every_rank(4, call)
+    for rank, error in enumerate(errors):
+        assert isinstance(error, kind), f"rank {rank}: {error!r}"
+        assert re.search(message, str(error)), f"rank {rank}: {error}"
+
+
+def test_a_rank_whose_count_is_wrong_raises_and_nobody_hangs():
+    def body():
+        rank = pycoll.world().rank
+        return pycoll.allgather(X, counts=[8, 8, 8, 9 if rank == 3 else 8])
+
+    with pytest.raises(ValueError, match=r"counts\[3\]=9 but this rank's x has 8 rows"):
+        pycoll.run_local(4, body)
+
+
+def test_alltoallv_counts_that_disagree_fail_on_every_rank():
+    def call(rank):
+        send_counts = [1, 1, 1]
+        recv_counts = [1, 2, 1] if rank == 0 else [1, 1, 1]  # rank 0 expects 2 from rank 1
+        pycoll.alltoallv(np.arange(3), send_counts, recv_counts)
+
+    errors = every_rank(3, call)
+    for error in errors:
+        assert isinstance(error, ValueError)
+        assert "rank 1 sends 1 rows to rank 0 (its send_counts[0]) but rank 0 expects 2" in str(
+            error
+        )
+
+
+def test_one_rank_raising_releases_the_others():
+    def body():
+        rank = pycoll.world().rank
+        out = np.empty(8, np.float32 if rank == 0 else np.int32)  # only rank 0 is wrong
+        return pycoll.allreduce(X, out=out, algorithm="ring")
+
+    started = time.monotonic()
+    with pytest.raises(TypeError, match="out.dtype=float32"):
+        pycoll.run_local(4, body)
+    assert time.monotonic() - started < 10
+
+
+def test_a_rank_that_skips_a_collective_is_a_reported_deadlock():
+    def body():
+        if pycoll.world().rank != 2:
+            pycoll.allreduce(X, algorithm="ring")
+
+    with pytest.raises(pycoll.Deadlock, match="rank 2 already returned|waits"):
+        pycoll.run_local(3, body)
+
+
+def test_user_exception_propagates_and_others_are_released():
+    def body():
+        if pycoll.world().rank == 1:
+            raise KeyError("boom")
+        pycoll.barrier()
+
+    with pytest.raises(KeyError, match="boom"):
+        pycoll.run_local(4, body)
+
+
+def test_mismatched_sizes_between_ranks_are_reported():
+    def body():
+        rank = pycoll.world().rank
+        x = np.zeros(4 if rank else 5)
+        if rank == 0:
+            pycoll.send(x, dst=1)
+        else:
+            pycoll.recv(x, src=0)
+
+    with pytest.raises(ValueError, match="sends 5 elements to rank 1, which expects 4"):
+        pycoll.run_local(2, body)
+
+
+@pytest.mark.parametrize("nranks", [0, -1, 2.5, True])
+def test_run_local_rejects_bad_rank_counts(nranks):
+    with pytest.raises(ValueError, match="is not a rank count"):
+        pycoll.run_local(nranks, lambda: None)

@@ -1,0 +1,153 @@
+"""Every worked number of the seed document, reproduced by the library and the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pycoll
+from pycoll.algorithms import families_for
+from pycoll.cli import main
+from pycoll.schedule import Collective
+
+
+def row() -> np.ndarray:
+    rank = pycoll.world().rank
+    return np.arange(4 * rank + 1, 4 * rank + 5, dtype=np.int64)
+
+
+@pytest.mark.parametrize("algorithm", families_for(Collective.ALLREDUCE))
+def test_allreduce_scene(algorithm):
+    for result in pycoll.run_local(4, lambda: pycoll.allreduce(row(), algorithm=algorithm)):
+        assert result.tolist() == [28, 32, 36, 40]
+
+
+@pytest.mark.parametrize("algorithm", families_for(Collective.REDUCE))
+def test_reduce_scene(algorithm):
+    results = pycoll.run_local(4, lambda: pycoll.reduce(row(), "sum", 0, algorithm=algorithm))
+    assert results[0].tolist() == [28, 32, 36, 40]
+    assert results[1:] == [None, None, None]
+
+
+@pytest.mark.parametrize("algorithm", families_for(Collective.BROADCAST))
+def test_broadcast_scene(algorithm):
+    def body():
+        x = row() if pycoll.world().rank == 0 else np.zeros(4, np.int64)
+        return pycoll.broadcast(x, 0, algorithm=algorithm)
+
+    for result in pycoll.run_local(4, body):
+        assert result.tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("algorithm", families_for(Collective.ALLGATHER))
+def test_allgather_scene(algorithm):
+    def body():
+        rank = pycoll.world().rank
+        return pycoll.allgather(row()[rank : rank + 1], algorithm=algorithm)  # A0, B1, C2, D3
+
+    for result in pycoll.run_local(4, body):
+        assert result.tolist() == [1, 6, 11, 16]
+
+
+@pytest.mark.parametrize("algorithm", families_for(Collective.REDUCE_SCATTER))
+def test_reduce_scatter_scene(algorithm):
+    results = pycoll.run_local(4, lambda: pycoll.reduce_scatter(row(), algorithm=algorithm))
+    assert [r.tolist() for r in results] == [[28], [32], [36], [40]]
+
+
+def test_allgather_after_reduce_scatter_composes_to_allreduce():
+    results = pycoll.run_local(4, lambda: pycoll.allgather(pycoll.reduce_scatter(row())))
+    assert all(r.tolist() == [28, 32, 36, 40] for r in results)
+
+
+def test_alltoall_scene():
+    results = pycoll.run_local(4, lambda: pycoll.alltoall(row()))
+    assert results[2].tolist() == [3, 7, 11, 15]
+    assert results[0].tolist() == [1, 5, 9, 13]
+
+
+def test_send_recv_scene():
+    def body():
+        rank = pycoll.world().rank
+        if rank == 0:
+            x = row()
+            pycoll.send(x, dst=1)
+            return x  # the source keeps its data
+        if rank == 1:
+            return pycoll.recv(np.zeros(4, np.int64), src=0)
+        return None  # ranks 2 and 3 do not participate
+
+    results = pycoll.run_local(4, body)
+    assert results[0].tolist() == [1, 2, 3, 4]
+    assert results[1].tolist() == [1, 2, 3, 4]
+    assert results[2:] == [None, None]
+
+
+def test_fsdp_scene():
+    parameters = np.array([10.0, 20.0, 30.0, 40.0])
+
+    def body():
+        rank = pycoll.world().rank
+        gradient = pycoll.reduce_scatter(row().astype(np.float64))
+        assert gradient.tolist() == [[28.0], [32.0], [36.0], [40.0]][rank]
+        shard = parameters[rank : rank + 1] - 0.1 * (gradient / 4)
+        return pycoll.allgather(shard)
+
+    for result in pycoll.run_local(4, body):
+        np.testing.assert_allclose(result, [9.3, 19.2, 29.1, 39.0], rtol=0, atol=1e-12)
+
+
+def test_avg_divides_the_sum_by_four():
+    for result in pycoll.run_local(4, lambda: pycoll.allreduce(row().astype(np.float32), "avg")):
+        assert result.tolist() == [7.0, 8.0, 9.0, 10.0]
+
+
+def test_demo_prints_the_seed_numbers(capsys):
+    assert main(["demo"]) == 0
+    printed = capsys.readouterr().out
+    assert "[28, 32, 36, 40]" in printed
+    assert "[1, 6, 11, 16]" in printed
+    assert "[3, 7, 11, 15]" in printed
+    assert printed.count("[9.3, 19.2, 29.1, 39.0]") == 5
+    assert printed.count("matches the numpy oracle") == 7
+    assert "DIFFERS" not in printed
+
+
+def test_explain_ring_allreduce_ends_with_the_seed_sum(capsys):
+    assert main(["explain", "allreduce", "--ranks", "4", "--algorithm", "ring"]) == 0
+    printed = capsys.readouterr().out
+    results = printed.split("results (run on in-process ranks)")[1]
+    assert results.count("[28, 32, 36, 40]") == 4
+    assert "rank 0 sends chunk 3 ([4]) to rank 1" in printed
+    assert "rank 1 adds it into chunk 3 (element 3): [8] -> [12]" in printed
+
+
+@pytest.mark.parametrize(
+    "collective", ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall"]
+)
+@pytest.mark.parametrize("nranks", [1, 3, 4])
+def test_explain_every_collective(collective, nranks, capsys):
+    for algorithm in families_for(Collective(collective)):
+        assert (
+            main(
+                [
+                    "explain",
+                    collective,
+                    "--ranks",
+                    str(nranks),
+                    "--algorithm",
+                    algorithm,
+                    "--root",
+                    str(nranks - 1),
+                    "--segments",
+                    "2",
+                ]
+            )
+            == 0
+        )
+        assert capsys.readouterr().out.rstrip().endswith("matches the numpy oracle")
+
+
+def test_explain_rejects_a_family_without_the_schedule(capsys):
+    assert main(["explain", "alltoall", "--algorithm", "ring"]) == 2
+    assert "has no alltoall schedule" in capsys.readouterr().err
