@@ -9,30 +9,11 @@ import inspect
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import ALL_DTYPES
 
 from pycoll import oracle
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-# Listed here rather than imported: the oracle and its tests stand apart from kernels.
-ALL_DTYPES = [
-    np.dtype(d)
-    for d in (
-        np.int8,
-        np.int16,
-        np.int32,
-        np.int64,
-        np.uint8,
-        np.uint16,
-        np.uint32,
-        np.uint64,
-        np.float16,
-        np.float32,
-        np.float64,
-        BF16,
-        np.complex64,
-        np.complex128,
-    )
-]
 
 
 class Op(enum.Enum):
