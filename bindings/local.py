@@ -136,19 +136,37 @@ class LocalWorld:
 
 
 class LocalTransport:
-    """One rank's endpoint on one channel of a :class:`LocalWorld`."""
+    """One rank's endpoint on one channel of a :class:`LocalWorld`.
 
-    def __init__(self, world: LocalWorld, rank: int, channel: str):
-        self.world, self.rank, self.size, self.channel = world, rank, world.nranks, channel
+    ``members`` lists the world ranks of this endpoint's group in group order, so that a
+    sub-communicator speaks in its own rank numbers; None means the whole world.
+    """
+
+    def __init__(
+        self, world: LocalWorld, rank: int, channel: str, members: list[int] | None = None
+    ):
+        self.world, self.channel = world, channel
+        self.members = list(range(world.nranks)) if members is None else members
+        self.world_rank = rank
+        self.rank = self.members.index(rank)
+        self.size = len(self.members)
 
     def isend(self, buf: np.ndarray, peer: int, tag: int) -> _Request:
-        return self.world.post(_Request(buf, self.rank, peer, tag, "send"), self.channel)
+        request = _Request(buf, self.world_rank, self.members[peer], tag, "send")
+        return self.world.post(request, self.channel)
 
     def irecv(self, buf: np.ndarray, peer: int, tag: int) -> _Request:
-        return self.world.post(_Request(buf, self.rank, peer, tag, "recv"), self.channel)
+        request = _Request(buf, self.world_rank, self.members[peer], tag, "recv")
+        return self.world.post(request, self.channel)
 
     def waitall(self, requests: list[_Request]) -> None:
-        self.world.wait(self.rank, requests)
+        self.world.wait(self.world_rank, requests)
+
+    def subgroup(self, members: list[int], channel: str) -> LocalTransport:
+        """An endpoint for the group of ``members`` (ranks of this group) on a new channel."""
+        return LocalTransport(
+            self.world, self.world_rank, channel, [self.members[m] for m in members]
+        )
 
 
 def run_threads(nranks: int, body: Callable[[int, LocalWorld], Any]) -> list[Any]:

@@ -96,16 +96,22 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
 }
 
 
+_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+_ALLOWED_NAMES = ", ".join(d.name for d in SUPPORTED_DTYPES)
+
+
 def check_dtype(dtype: object) -> np.dtype:
     """Return ``dtype`` as an np.dtype if pycoll can reduce it, else raise TypeError."""
-    allowed = ", ".join(d.name for d in SUPPORTED_DTYPES)
+    if isinstance(dtype, np.dtype) and dtype in _SUPPORTED_SET:
+        return dtype  # the hot path: called on every collective
+    allowed = _ALLOWED_NAMES
     if dtype is None:  # np.dtype(None) would silently mean float64
         raise TypeError(f"dtype=None is not supported; allowed: {allowed}")
     try:
         dt = np.dtype(dtype)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         raise TypeError(f"dtype={dtype!r} is not a dtype; allowed: {allowed}") from None
-    if dt not in SUPPORTED_DTYPES:
+    if dt not in _SUPPORTED_SET:
         raise TypeError(f"dtype={str(dt)!r} is not supported; allowed: {allowed}")
     return dt
 

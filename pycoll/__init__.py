@@ -14,7 +14,7 @@ from pycoll.api import (
 )
 from pycoll.bindings.local import Deadlock
 from pycoll.bindings.transport import PeerFailed
-from pycoll.comm import Communicator, run_local, world
+from pycoll.comm import Communicator, new_group, run_local, world
 from pycoll.kernels import ReduceOp
 
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ __all__ = [
     "alltoallv",
     "barrier",
     "broadcast",
+    "new_group",
     "recv",
     "reduce",
     "reduce_scatter",

@@ -27,7 +27,31 @@ def main(argv: list[str] | None = None) -> int:
     explain.add_argument("--algorithm", default="ring", choices=sorted(FAMILIES))
     explain.add_argument("--root", type=int, default=0, help="root of broadcast/reduce")
     explain.add_argument("--segments", type=int, default=1, help="segments per block")
+    bench = commands.add_parser(
+        "bench", help="time collectives over a size sweep (nccl-tests conventions)"
+    )
+    bench.add_argument("collective", nargs="?", default="allreduce",
+                       help="allreduce (default), reduce_scatter, allgather, broadcast, reduce, "
+                            "alltoall")
+    bench.add_argument("-b", "--min-bytes", default="8", help="smallest size (default 8)")
+    bench.add_argument("-e", "--max-bytes", default="32M", help="largest size (default 32M)")
+    bench.add_argument("-f", "--step-factor", type=int, default=2, help="size multiplier")
+    bench.add_argument("-n", "--iters", type=int, default=20, help="timed iterations")
+    bench.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations")
+    bench.add_argument("-c", "--check", type=int, default=1, help="1: count #wrong; 0: skip")
+    bench.add_argument("-d", "--dtype", default="float32")
+    bench.add_argument("-o", "--op", default="sum")
+    bench.add_argument("-r", "--root", type=int, default=0)
+    bench.add_argument("--algorithm", default="auto",
+                       help="comma-separated families and/or auto, or 'all'")
+    bench.add_argument("--against", choices=["mpi"], help="also time mpi4py's native collective")
+    bench.add_argument("--ranks", type=int, help="in-process ranks (default: the MPI job)")
+    bench.add_argument("--json", metavar="PATH", help="write rows as JSON ('-' for stdout)")
+    bench.add_argument("--csv", metavar="PATH", help="write rows as CSV ('-' for stdout)")
     args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        return _bench(args)
 
     from pycoll import explain as scenes
 
@@ -46,3 +70,53 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import pycoll
+    from pycoll import bench
+    from pycoll.algorithms import families_for
+
+    try:
+        names = [a.strip() for a in args.algorithm.split(",") if a.strip()]
+        if names == ["all"]:
+            collective = bench.COLLECTIVES.get(args.collective)
+            names = (families_for(collective) + ["auto"]) if collective else ["auto"]
+        options = bench.Options(
+            collective=args.collective,
+            min_bytes=bench.parse_size(args.min_bytes),
+            max_bytes=bench.parse_size(args.max_bytes),
+            step_factor=args.step_factor,
+            iters=args.iters,
+            warmup=args.warmup,
+            check=bool(args.check),
+            dtype=args.dtype,
+            op=args.op,
+            root=args.root,
+            algorithms=tuple(names),
+            against=args.against,
+        )
+        bench.validate(options)
+        if args.ranks is not None:
+            if args.against:
+                raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
+            results = pycoll.run_local(
+                args.ranks, lambda: bench.run(options, pycoll.world(), bench.progress_bar)
+            )
+            rows, rank, size, where = results[0], 0, args.ranks, "in-process"
+        else:
+            comm = pycoll.world()
+            rows = bench.run(options, comm, bench.progress_bar)
+            rank, size, where = comm.rank, comm.size, "MPI" if comm.mpi_comm else "in-process"
+    except ValueError as error:
+        print(f"pycoll bench: {error}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        title = (f"pycoll bench {options.collective}: {size} ranks ({where}), "
+                 f"iters {options.iters}, warmup {options.warmup}, median of the slowest rank")
+        print(bench.format_table(rows, title), flush=True)
+        if args.json:
+            bench.write_json(rows, args.json)
+        if args.csv:
+            bench.write_csv(rows, args.csv)
+    return 0 if all(r.wrong == 0 for r in rows) else 1

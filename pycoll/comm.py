@@ -1,42 +1,117 @@
-"""Communicators: a group of ranks, how to reach each peer, and the calling thread's default.
+"""Communicators: a group of ranks, how to reach each peer, and the calling rank's default.
 
-A communicator owns two transport endpoints: one for collectives, tagged with a sequence
-number so back-to-back collectives never mix messages, and one for the user's Send/Recv tags.
+A communicator owns two transport endpoints: one for collectives, whose tags are a sequence
+number so that back-to-back collectives never mix messages, and one for the user's Send/Recv
+tags. Under MPI each endpoint is a private duplicate of the caller's communicator, so pycoll's
+messages never match the program's own.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from pycoll.bindings.local import LocalWorld, run_threads
+import numpy as np
+
+from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
+from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi
 from pycoll.bindings.transport import Transport
 
 _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
 
 
 class Communicator:
-    """One rank's view of a group of ``size`` ranks."""
+    """One rank's view of a group of ranks.
 
-    def __init__(self, rank: int, size: int, transport: Transport, p2p: Transport):
-        self.rank = rank
-        self.size = size
+    ``Communicator(mpi_comm)`` wraps an mpi4py communicator (default ``MPI.COMM_WORLD``);
+    in-process ranks get theirs from :func:`run_local`.
+    """
+
+    def __init__(self, mpi_comm: Any = None):
+        MPI = mpi()
+        parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:
+            raise TypeError(f"mpi_comm={mpi_comm!r} is not an mpi4py communicator")
+        self.mpi_comm = parent
+        self._attach(MPITransport(parent.Dup()), MPITransport(parent.Dup()))
+
+    @classmethod
+    def _over(cls, transport: Transport, p2p: Transport) -> Communicator:
+        """A communicator over ready transports (the in-process world)."""
+        comm = cls.__new__(cls)
+        comm.mpi_comm = None
+        comm._attach(transport, p2p)
+        return comm
+
+    def _attach(self, transport: Transport, p2p: Transport) -> None:
         self.transport = transport
         self.p2p = p2p
+        self.rank = transport.rank
+        self.size = transport.size
         self._sequence = 0
+        self._splits = 0
 
     def next_tag(self) -> int:
         """The tag of the next collective; every rank calls collectives in the same order."""
         self._sequence = (self._sequence + 1) % _TAG_LIMIT
         return self._sequence
 
+    def split(self, color: int | None, key: int = 0) -> Communicator | None:
+        """Ranks that pass the same ``color`` form a new communicator, ordered by ``key`` then
+        rank; ``color=None`` takes no part and gets None. Every rank of this one must call it.
+        """
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
+                                  or color < 0):
+            raise ValueError(f"split: color={color!r} is invalid; allowed: an int >= 0 or None")
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise ValueError(f"split: key={key!r} is invalid; allowed: an int")
+        if self.mpi_comm is not None:
+            MPI = mpi()
+            child = self.mpi_comm.Split(MPI.UNDEFINED if color is None else color, key)
+            return None if child == MPI.COMM_NULL else Communicator(child)
+        from pycoll.api import allgather
+
+        self._splits += 1
+        mine = np.array([-1 if color is None else color, key], np.int64)
+        table = allgather(mine, comm=self, algorithm="direct").reshape(self.size, 2)
+        if color is None:
+            return None
+        members = sorted((int(k), r) for r, (c, k) in enumerate(table) if c == color)
+        group = [r for _, r in members]
+        channel = f"{self.transport.channel}/{self._splits}:{color}"
+        return Communicator._over(
+            self.transport.subgroup(group, channel), self.p2p.subgroup(group, channel + "/p2p")
+        )
+
     def __repr__(self) -> str:
-        return f"Communicator(rank={self.rank}, size={self.size})"
+        kind = "MPI" if self.mpi_comm is not None else "in-process"
+        return f"Communicator(rank={self.rank}, size={self.size}, {kind})"
 
 
-def local_communicator(world: LocalWorld, rank: int) -> Communicator:
-    return Communicator(rank, world.nranks, world.endpoint(rank), world.endpoint(rank, "p2p"))
+def new_group(ranks: Sequence[int], comm: Communicator | None = None) -> Communicator | None:
+    """A communicator of ``ranks`` (in that order) of ``comm``; None on the other ranks.
+
+    Every rank of ``comm`` must call it, as with ``torch.distributed.new_group``.
+    """
+    comm = world() if comm is None else comm
+    members = list(ranks)
+    valid = all(isinstance(r, int) and not isinstance(r, bool) for r in members)
+    if not members or not valid or len(set(members)) != len(members) or not all(
+        0 <= r < comm.size for r in members
+    ):
+        raise ValueError(
+            f"new_group: ranks={ranks!r} is invalid; allowed: distinct ints in 0..{comm.size - 1}"
+        )
+    inside = comm.rank in members
+    return comm.split(0 if inside else None, members.index(comm.rank) if inside else 0)
+
+
+def _local(world: LocalWorld, rank: int) -> Communicator:
+    return Communicator._over(
+        LocalTransport(world, rank, "collective"), LocalTransport(world, rank, "p2p")
+    )
 
 
 _default = threading.local()
@@ -46,15 +121,34 @@ _process_world: Communicator | None = None
 def world() -> Communicator:
     """The calling rank's default communicator.
 
-    Inside :func:`run_local` it is the thread's own rank; elsewhere a world of one rank.
+    Inside :func:`run_local`, the thread's own; in a process launched by ``mpiexec``,
+    ``MPI.COMM_WORLD``; otherwise a world of one rank.
     """
     comm = getattr(_default, "comm", None)
     if comm is not None:
         return comm
     global _process_world
     if _process_world is None:
-        _process_world = local_communicator(LocalWorld(1), 0)
+        if launched_by_mpi():
+            _process_world = Communicator()
+            _abort_job_on_uncaught_exception(_process_world)
+        else:
+            _process_world = _local(LocalWorld(1), 0)
     return _process_world
+
+
+def _abort_job_on_uncaught_exception(comm: Communicator) -> None:
+    """A rank that dies of an exception takes the job down instead of leaving peers waiting."""
+    if comm.size == 1:
+        return
+    previous = sys.excepthook
+
+    def abort(kind, error, traceback):
+        previous(kind, error, traceback)
+        sys.stderr.flush()
+        comm.mpi_comm.Abort(1)
+
+    sys.excepthook = abort
 
 
 def run_local(nranks: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -67,7 +161,7 @@ def run_local(nranks: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
         raise ValueError(f"nranks={nranks!r} is not a rank count; allowed: an int >= 1")
 
     def body(rank: int, local_world: LocalWorld) -> Any:
-        _default.comm = local_communicator(local_world, rank)
+        _default.comm = _local(local_world, rank)
         try:
             return fn(*args, **kwargs)
         finally:

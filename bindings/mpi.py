@@ -1,0 +1,58 @@
+"""The MPI transport: two-sided messages over mpi4py's buffer methods.
+
+Data always travels as raw bytes (never pickled): pycoll reduces on its own, so MPI needs no
+datatype for float16, bfloat16 or complex, and one code path serves them all. mpi4py is
+imported here only, so that a program that never runs under MPI never loads it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+# Launchers set these in every rank's environment; a plain `python` sets none of them.
+_LAUNCHER_VARIABLES = (
+    "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALRANKID",
+)
+
+
+def launched_by_mpi() -> bool:
+    """Whether this process is a rank of an MPI job (``PYCOLL_MPI=0|1`` overrides)."""
+    forced = os.environ.get("PYCOLL_MPI")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return any(name in os.environ for name in _LAUNCHER_VARIABLES)
+
+
+def mpi():
+    """The mpi4py ``MPI`` module, imported on first use."""
+    from mpi4py import MPI
+
+    return MPI
+
+
+class MPITransport:
+    """One rank's endpoint on an mpi4py communicator (a private duplicate of the caller's)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self._MPI = mpi()
+        self._byte = self._MPI.BYTE
+
+    def isend(self, buf: np.ndarray, peer: int, tag: int):
+        return self.comm.Isend([buf, buf.nbytes, self._byte], peer, tag)
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int):
+        return self.comm.Irecv([buf, buf.nbytes, self._byte], peer, tag)
+
+    def waitall(self, requests: list) -> None:
+        if len(requests) == 1:
+            requests[0].Wait()
+        elif requests:
+            self._MPI.Request.Waitall(requests)
+
+    def free(self) -> None:
+        self.comm.Free()

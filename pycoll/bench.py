@@ -1,0 +1,361 @@
+"""`pycoll bench`: collective microbenchmarks with nccl-tests' conventions.
+
+* size is the bytes of the whole array (for AllGather the gathered output, for ReduceScatter
+  the input), count its elements; algbw = size / time with GB = 1e9 bytes; busbw = algbw ×
+  2(n−1)/n for AllReduce, × (n−1)/n for ReduceScatter, AllGather and AllToAll, × 1 for
+  Broadcast and Reduce.
+* Every iteration runs between barriers and its time is the slowest rank's; the median over
+  iterations is reported.
+* ``--against mpi`` times mpi4py's native collective on the same buffers in the same run,
+  interleaved iteration by iteration with pycoll's, so both see the same machine.
+* ``--check`` runs each size once more on integer-valued data and counts the elements that
+  differ from the numpy oracle (``#wrong``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+import pycoll
+from pycoll import oracle
+from pycoll.algorithms import families_for
+from pycoll.comm import Communicator
+from pycoll.kernels import ReduceOp, check_dtype
+from pycoll.schedule import Collective
+
+COLLECTIVES = {
+    "allreduce": Collective.ALLREDUCE,
+    "reduce_scatter": Collective.REDUCE_SCATTER,
+    "allgather": Collective.ALLGATHER,
+    "broadcast": Collective.BROADCAST,
+    "reduce": Collective.REDUCE,
+    "alltoall": Collective.ALLTOALL,
+}
+CHECK_CHUNK = 1 << 20  # elements of the oracle computed at a time, to bound its memory
+
+
+def bus_factor(collective: Collective, nranks: int) -> float:
+    """nccl-tests' busbw / algbw, so that busbw is comparable across rank counts."""
+    if collective is Collective.ALLREDUCE:
+        return 2 * (nranks - 1) / nranks
+    if collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL):
+        return (nranks - 1) / nranks
+    return 1.0
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '32M', '1G' (powers of 1024, as nccl-tests) into bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"size={text!r} is invalid; allowed: an int with optional K, M or G")
+    return int(match.group(1)) * 1024 ** " KMG".index(match.group(2).upper() or " ")
+
+
+def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    if min_bytes < 1 or max_bytes < min_bytes:
+        raise ValueError(
+            f"--min-bytes={min_bytes} --max-bytes={max_bytes}; allowed: 1 <= min <= max"
+        )
+    if factor < 2:
+        raise ValueError(f"--step-factor={factor}; allowed: an int >= 2")
+    out, size = [], min_bytes
+    while size <= max_bytes:
+        out.append(size)
+        size *= factor
+    return out
+
+
+@dataclass
+class Row:
+    collective: str
+    nranks: int
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    algorithm: str
+    time_us: float
+    algbw: float
+    busbw: float
+    wrong: int
+    native_time_us: float | None = None
+    native_busbw: float | None = None
+    ratio: float | None = None
+
+
+@dataclass
+class Options:
+    collective: str = "allreduce"
+    min_bytes: int = 8
+    max_bytes: int = 32 << 20
+    step_factor: int = 2
+    iters: int = 20
+    warmup: int = 5
+    check: bool = True
+    dtype: str = "float32"
+    op: str = "sum"
+    root: int = 0
+    algorithms: tuple[str, ...] = ("auto",)
+    against: str | None = None
+
+
+def validate(options: Options) -> Collective:
+    if options.collective not in COLLECTIVES:
+        raise ValueError(
+            f"collective={options.collective!r} is unknown; allowed: {', '.join(COLLECTIVES)}"
+        )
+    collective = COLLECTIVES[options.collective]
+    check_dtype(options.dtype)
+    ReduceOp.parse(options.op)
+    if options.iters < 1 or options.warmup < 0:
+        raise ValueError(f"--iters={options.iters} --warmup={options.warmup}; "
+                         "allowed: iters >= 1, warmup >= 0")
+    allowed = families_for(collective) if collective is not Collective.ALLTOALL else ["direct"]
+    for algorithm in options.algorithms:
+        if algorithm != "auto" and algorithm not in allowed:
+            raise ValueError(
+                f"--algorithm {algorithm!r} has no {collective.value} schedule; allowed: auto, "
+                + ", ".join(allowed)
+            )
+    if options.against not in (None, "mpi"):
+        raise ValueError(f"--against={options.against!r}; allowed: mpi")
+    if options.against == "mpi" and (
+        options.op == "avg" or np.dtype(options.dtype).name in ("float16", "bfloat16")
+    ):
+        raise ValueError(
+            f"--against mpi cannot run {options.op} on {options.dtype}: MPI has no avg and no "
+            "half-precision reductions; use sum/prod/min/max on an MPI type"
+        )
+    return collective
+
+
+def run(options: Options, comm: Communicator, progress: Callable[[int, int], None] | None = None
+        ) -> list[Row]:
+    """Benchmark every size and algorithm on ``comm``; every rank gets the same rows."""
+    collective = validate(options)
+    dtype = np.dtype(check_dtype(options.dtype))
+    native = comm.mpi_comm if options.against == "mpi" else None
+    if options.against == "mpi" and native is None:
+        raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
+    if not 0 <= options.root < comm.size:
+        raise ValueError(f"--root={options.root} is not a rank; allowed: 0..{comm.size - 1}")
+    all_sizes = sizes(options.min_bytes, options.max_bytes, options.step_factor)
+    rows: list[Row] = []
+    steps = len(all_sizes) * len(options.algorithms)
+    done = 0
+    for size in all_sizes:
+        for algorithm in options.algorithms:
+            rows.append(_measure(options, collective, dtype, size, algorithm, comm, native))
+            done += 1
+            if progress is not None and comm.rank == 0:
+                progress(done, steps)
+    return rows
+
+
+class _Case:
+    """The buffers and calls for one (collective, size): pycoll's and the native one."""
+
+    def __init__(self, options: Options, collective: Collective, dtype: np.dtype, size: int,
+                 comm: Communicator):
+        p = comm.size
+        self.collective, self.dtype, self.comm = collective, dtype, comm
+        self.op, self.root = options.op, options.root
+        count = max(size // dtype.itemsize, 0)
+        if collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL):
+            count -= count % p  # nccl-tests: the whole array splits evenly
+        self.count = count
+        in_count = count // p if collective is Collective.ALLGATHER else count
+        out_count = count // p if collective is Collective.REDUCE_SCATTER else count
+        self.x = np.zeros(in_count, dtype)
+        self.out = np.zeros(out_count, dtype)
+
+    def fill_for_check(self) -> None:
+        self.x[...] = _check_values(self.comm.rank, 0, self.x.size, self.op, self.dtype,
+                                    self.collective)
+
+    def call(self, algorithm: str) -> None:
+        c, x, out, kw = self.collective, self.x, self.out, {"algorithm": algorithm}
+        if c is Collective.ALLREDUCE:
+            pycoll.allreduce(x, self.op, out=out, comm=self.comm, **kw)
+        elif c is Collective.REDUCE_SCATTER:
+            pycoll.reduce_scatter(x, self.op, out=out, comm=self.comm, **kw)
+        elif c is Collective.ALLGATHER:
+            pycoll.allgather(x, out=out, comm=self.comm, **kw)
+        elif c is Collective.BROADCAST:
+            pycoll.broadcast(x, self.root, comm=self.comm, **kw)
+        elif c is Collective.REDUCE:
+            pycoll.reduce(x, self.op, self.root, out=out, comm=self.comm, **kw)
+        else:
+            pycoll.alltoall(x, out=out, comm=self.comm)
+
+    def call_native(self, native) -> None:
+        from mpi4py import MPI
+
+        c, x, out = self.collective, self.x, self.out
+        op = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[self.op]
+        if c is Collective.ALLREDUCE:
+            native.Allreduce(x, out, op=op)
+        elif c is Collective.REDUCE_SCATTER:
+            native.Reduce_scatter_block(x, out, op=op)
+        elif c is Collective.ALLGATHER:
+            native.Allgather(x, out)
+        elif c is Collective.BROADCAST:
+            native.Bcast(x, root=self.root)
+        elif c is Collective.REDUCE:
+            native.Reduce(x, out, op=op, root=self.root)
+        else:
+            native.Alltoall(x, out)
+
+    def wrong(self) -> int:
+        """Elements of this rank's result that differ from the oracle."""
+        p, rank, c = self.comm.size, self.comm.rank, self.collective
+        if c is Collective.BROADCAST:
+            result, total = self.x, self.count
+        elif c is Collective.REDUCE and rank != self.root:
+            return 0
+        else:
+            result, total = self.out, self.out.size
+        wrong = 0
+        for start in range(0, total, CHECK_CHUNK):
+            stop = min(start + CHECK_CHUNK, total)
+            want = self._expected(start, stop, p, rank)
+            wrong += int(np.count_nonzero(result[start:stop] != want))
+        return wrong
+
+    def _expected(self, start: int, stop: int, p: int, rank: int) -> np.ndarray:
+        c, op, dtype = self.collective, self.op, self.dtype
+
+        def values(r: int, lo: int, hi: int) -> np.ndarray:
+            return _check_values(r, lo, hi, op, dtype, c)
+
+        if c is Collective.REDUCE_SCATTER:
+            base = rank * self.out.size
+            return oracle.allreduce([values(r, base + start, base + stop) for r in range(p)], op)
+        if c in (Collective.ALLREDUCE, Collective.REDUCE):
+            return oracle.allreduce([values(r, start, stop) for r in range(p)], op)
+        if c is Collective.BROADCAST:
+            return values(self.root, start, stop)
+        shard = self.count // p
+        parts = []
+        for index in range(start, stop):  # AllGather and AllToAll: element by element source
+            source, offset = divmod(index, shard)
+            if c is Collective.ALLTOALL:
+                parts.append(values(source, rank * shard + offset, rank * shard + offset + 1))
+            else:
+                parts.append(values(source, offset, offset + 1))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+def _check_values(rank: int, start: int, stop: int, op: str, dtype: np.dtype,
+                  collective: Collective) -> np.ndarray:
+    """Small integers, so that every algorithm's result is exact: position i of rank r."""
+    index = np.arange(start, stop, dtype=np.int64)
+    if op == "prod":
+        values = 1 + (index + rank) % 2
+    else:
+        values = 1 + (index * 7 + rank * 3) % 5
+    return values.astype(np.float64).astype(dtype)
+
+
+def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
+    case = _Case(options, collective, dtype, size, comm)
+    barrier = native.Barrier if native is not None else (lambda: pycoll.barrier(comm))
+    if native is None and comm.mpi_comm is not None:
+        barrier = comm.mpi_comm.Barrier
+
+    def timed(call) -> float:
+        barrier()
+        started = time.perf_counter()
+        call()
+        return time.perf_counter() - started
+
+    ours, theirs = [], []
+    for iteration in range(options.warmup + options.iters):
+        mine = timed(lambda: case.call(algorithm))
+        other = timed(lambda: case.call_native(native)) if native is not None else 0.0
+        if iteration >= options.warmup:
+            ours.append(mine)
+            theirs.append(other)
+    # The slowest rank's time per iteration, then the median over iterations.
+    slowest = pycoll.allreduce(np.array(ours + theirs), "max", comm=comm)
+    time_us = float(np.median(slowest[: options.iters])) * 1e6
+    native_us = float(np.median(slowest[options.iters:])) * 1e6 if native is not None else None
+
+    wrong = 0
+    if options.check:
+        case.fill_for_check()
+        case.call(algorithm)
+        wrong = int(pycoll.allreduce(np.array([case.wrong()]), comm=comm)[0])
+
+    nbytes = case.count * dtype.itemsize
+    factor = bus_factor(collective, comm.size)
+    algbw = nbytes / (time_us * 1e-6) / 1e9 if time_us > 0 else 0.0
+    row = Row(options.collective, comm.size, nbytes, case.count, dtype.name, options.op,
+              options.root, algorithm, time_us, algbw, algbw * factor, wrong)
+    if native_us is not None:
+        native_algbw = nbytes / (native_us * 1e-6) / 1e9 if native_us > 0 else 0.0
+        row.native_time_us = native_us
+        row.native_busbw = native_algbw * factor
+        row.ratio = native_us / time_us if time_us > 0 else None
+    return row
+
+
+def format_table(rows: list[Row], title: str) -> str:
+    against = any(r.native_time_us is not None for r in rows)
+    head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'redop':>5} {'root':>4} "
+            f"{'algorithm':>16} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} "
+            f"{'#wrong':>6}")
+    if against:
+        head += f" {'mpi(us)':>10} {'mpi busbw':>9} {'ratio':>6}"
+    lines = [f"# {title}", "#" + head[1:]]
+    for r in rows:
+        line = (f"{r.size:>12} {r.count:>11} {r.type:>8} {r.redop:>5} {r.root:>4} "
+                f"{r.algorithm:>16} {r.time_us:>10.1f} {r.algbw:>11.3f} {r.busbw:>11.3f} "
+                f"{r.wrong:>6}")
+        if against:
+            line += f" {r.native_time_us:>10.1f} {r.native_busbw:>9.3f} {r.ratio:>6.2f}"
+        lines.append(line)
+    wrong = sum(r.wrong for r in rows)
+    lines.append(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def write_json(rows: list[Row], path: str) -> None:
+    text = json.dumps([asdict(r) for r in rows], indent=1)
+    _write(text, path)
+
+
+def write_csv(rows: list[Row], path: str) -> None:
+    names = list(asdict(rows[0])) if rows else []
+    lines = [",".join(names)]
+    lines += [",".join("" if v is None else str(v) for v in asdict(r).values()) for r in rows]
+    _write("\n".join(lines) + "\n", path)
+
+
+def _write(text: str, path: str) -> None:
+    if path == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+def progress_bar(done: int, total: int) -> None:
+    """A one-line bar on stderr, for interactive sweeps only."""
+    if not sys.stderr.isatty():
+        return
+    width = 30
+    filled = math.floor(width * done / total)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()

@@ -1,0 +1,24 @@
+"""Run under mpiexec: one rank raises while the others wait in a collective.
+
+Run as ``python tests/mpi/faults.py MODE`` with MODE ``raise`` (an uncaught exception, which
+pycoll's MPI world turns into an abort of the whole job) or ``bad-input`` (a validation error
+on one rank only).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import pycoll
+
+mode = sys.argv[1]
+comm = pycoll.world()
+x = np.arange(8, dtype=np.float32)
+if comm.rank == 1:
+    if mode == "raise":
+        raise RuntimeError("rank 1 fails on purpose")
+    pycoll.allreduce(x, out=np.empty(8, np.float64))  # wrong out dtype: raises on rank 1 only
+pycoll.allreduce(x, algorithm="ring")
+print(f"rank {comm.rank} finished, which it must not", flush=True)
