@@ -162,6 +162,10 @@ class LocalTransport:
     def waitall(self, requests: list[_Request]) -> None:
         self.world.wait(self.world_rank, requests)
 
+    def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
+        requests = [self.irecv(recv, src, tag), self.isend(send, dst, tag)]
+        self.waitall(requests)
+
     def subgroup(self, members: list[int], channel: str) -> LocalTransport:
         """An endpoint for the group of ``members`` (ranks of this group) on a new channel."""
         return LocalTransport(

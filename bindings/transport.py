@@ -32,6 +32,12 @@ class Transport(Protocol):
         """Block until every request completed; raise if the world failed meanwhile."""
         ...
 
+    def sendrecv(
+        self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int
+    ) -> None:
+        """Send to ``dst`` while receiving from ``src``; the common one-in, one-out step."""
+        ...
+
 
 class PeerFailed(RuntimeError):
     """Another rank failed, so this rank's collective cannot complete."""

@@ -7,6 +7,7 @@ from .host import (
     check_op_for_dtype,
     finish,
     reduce_into,
+    reducer,
 )
 
 __all__ = [
@@ -15,5 +16,6 @@ __all__ = [
     "check_dtype",
     "check_op_for_dtype",
     "reduce_into",
+    "reducer",
     "finish",
 ]

@@ -26,6 +26,7 @@ Semantics, chosen to match NCCL:
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 
 import ml_dtypes
@@ -37,6 +38,7 @@ __all__ = [
     "check_dtype",
     "check_op_for_dtype",
     "reduce_into",
+    "reducer",
     "finish",
 ]
 
@@ -174,16 +176,37 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
             f"src.shape={src.shape} differs from dst.shape={dst.shape}; "
             "both buffers of a reduction must have the same shape"
         )
-    op = ReduceOp.parse(op)
-    check_op_for_dtype(op, dst.dtype)
+    reducer(ReduceOp.parse(op), dst.dtype)(dst, src)
+
+
+@functools.cache
+def reducer(op: ReduceOp, dtype: np.dtype) -> Callable[[np.ndarray, np.ndarray], None]:
+    """``reduce(dst, src)``: in place ``dst = dst (op) src`` for arrays of ``dtype``.
+
+    Validated once per (op, dtype); the executor calls the result on its hot path, where
+    both arrays are known to match.
+    """
+    check_op_for_dtype(op, dtype)
     ufunc = _UFUNCS[op]
-    # C semantics: integers wrap, floats overflow to inf, NaN propagates; none of it
-    # is an error. bfloat16 min/max also warn on NaN, which this silences too.
-    with np.errstate(all="ignore"):
-        if dst.dtype == _BFLOAT16 and ufunc in _BF16_FALLBACK:
-            _BF16_FALLBACK[ufunc](dst, src)
-        else:
+    dtype = np.dtype(dtype)
+    combine = _BF16_FALLBACK.get(ufunc) if dtype == _BFLOAT16 else None
+    if dtype.kind in "iu":
+        # numpy never warns about wrapping integer arrays: no error state to set up.
+        def reduce(dst: np.ndarray, src: np.ndarray) -> None:
             ufunc(dst, src, out=dst)
+
+        return reduce
+
+    def reduce(dst: np.ndarray, src: np.ndarray) -> None:
+        # C semantics: floats overflow to inf and NaN propagates, silently. bfloat16
+        # min/max also warn on NaN, which this silences too.
+        with np.errstate(all="ignore"):
+            if combine is not None:
+                combine(dst, src)
+            else:
+                ufunc(dst, src, out=dst)
+
+    return reduce
 
 
 def _trunc_div_int(work: np.ndarray, n: int) -> None:

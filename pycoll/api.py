@@ -9,16 +9,15 @@ read as flat sequences of elements; the sharded collectives split along the firs
 from __future__ import annotations
 
 import math
-from functools import partial
+from functools import lru_cache
 
 import numpy as np
 
-from pycoll import algorithms
+from pycoll import algorithms, select
 from pycoll.comm import Communicator, world
-from pycoll.execute import Buffers, execute
-from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype, finish, reduce_into
-from pycoll.schedule import Collective, Layout, Schedule, split
-from pycoll.select import plan_for
+from pycoll.execute import run
+from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype, finish, reducer
+from pycoll.schedule import Collective, Schedule, split
 
 OpLike = str | ReduceOp
 
@@ -35,9 +34,10 @@ def allreduce(
     comm, op = _comm(comm), _op(op, x, "allreduce")
     out = _out(out, x, x.shape, "allreduce", may_alias=True)
     schedule = _schedule(Collective.ALLREDUCE, x.nbytes, comm, algorithm)
-    layout = Layout.even(x.size, schedule.nblocks, schedule.nsegments)
-    _run(comm, schedule, x, out, layout, layout, op)
-    finish(out.reshape(-1), op, comm.size)
+    blocks = _even(x.size, schedule)
+    _run(comm, schedule, x, out, blocks, blocks, op)
+    if op is ReduceOp.AVG:
+        finish(out.reshape(-1), op, comm.size)
     return out
 
 
@@ -57,11 +57,11 @@ def reduce_scatter(
     shape = (counts[comm.rank], *x.shape[1:])
     out = _out(out, x, shape, "reduce_scatter")
     schedule = _schedule(Collective.REDUCE_SCATTER, x.nbytes, comm, algorithm)
-    layout = Layout([c * _row_size(x) for c in counts], schedule.nsegments)
+    blocks = tuple(c * _row_size(x) for c in counts)
     work = np.empty(x.size, x.dtype)
-    _run(comm, schedule, x, work, layout, layout, op)
-    start, stop = layout.block_range(comm.rank)
-    result = work[start:stop]
+    _run(comm, schedule, x, work, blocks, blocks, op)
+    start = sum(blocks[: comm.rank])
+    result = work[start : start + blocks[comm.rank]]
     finish(result, op, comm.size)
     out.reshape(-1)[...] = result
     return out
@@ -95,9 +95,7 @@ def allgather(
     out = _out(out, x, (sum(counts), *x.shape[1:]), "allgather")
     schedule = _schedule(Collective.ALLGATHER, x.nbytes * comm.size, comm, algorithm)
     row = _row_size(x)
-    work_layout = Layout([c * row for c in counts], schedule.nsegments)
-    input_layout = Layout([x.size], schedule.nsegments)
-    _run(comm, schedule, x, out, input_layout, work_layout, None)
+    _run(comm, schedule, x, out, (x.size,), tuple(c * row for c in counts), None)
     return out
 
 
@@ -114,8 +112,8 @@ def broadcast(
     _writable(x, "x", "broadcast")
     root = _root(root, comm, "broadcast")
     schedule = _schedule(Collective.BROADCAST, x.nbytes, comm, algorithm, root=root)
-    layout = Layout.even(x.size, schedule.nblocks, schedule.nsegments)
-    _run(comm, schedule, x, x, layout, layout, None)
+    blocks = _even(x.size, schedule)
+    _run(comm, schedule, x, x, blocks, blocks, None)
     return x
 
 
@@ -137,8 +135,8 @@ def reduce(
     else:
         work = np.empty_like(x)  # partial results pass through non-root ranks
     schedule = _schedule(Collective.REDUCE, x.nbytes, comm, algorithm, root=root)
-    layout = Layout.even(x.size, schedule.nblocks, schedule.nsegments)
-    _run(comm, schedule, x, work, layout, layout, op)
+    blocks = _even(x.size, schedule)
+    _run(comm, schedule, x, work, blocks, blocks, op)
     if comm.rank != root:
         return None
     finish(out.reshape(-1), op, comm.size)
@@ -198,9 +196,8 @@ def alltoallv(
 def _alltoallv(x, send_counts, recv_counts, out, comm) -> np.ndarray:
     schedule = _schedule(Collective.ALLTOALL, x.nbytes, comm, "direct")
     row = _row_size(x)
-    input_layout = Layout([c * row for c in send_counts], schedule.nsegments)
-    work_layout = Layout([c * row for c in recv_counts], schedule.nsegments)
-    _run(comm, schedule, x, out, input_layout, work_layout, None)
+    sent = tuple(c * row for c in send_counts)
+    _run(comm, schedule, x, out, sent, tuple(c * row for c in recv_counts), None)
     return out
 
 
@@ -256,11 +253,17 @@ def _writable(x: np.ndarray, name: str, collective: str) -> None:
         raise ValueError(f"{collective}: {name} is read-only; the result is written into it")
 
 
+_OPS_BY_NAME = {op.value: op for op in ReduceOp}
+
+
 def _op(op: OpLike, x: np.ndarray, collective: str) -> ReduceOp:
     _check_array(x, collective)
-    op = ReduceOp.parse(op)
-    check_op_for_dtype(op, x.dtype)
-    return op
+    parsed = op if isinstance(op, ReduceOp) else _OPS_BY_NAME.get(op) if type(op) is str else None
+    if parsed is None:
+        parsed = ReduceOp.parse(op)  # other spellings, or the error naming the allowed ones
+    if x.dtype.kind == "c":
+        check_op_for_dtype(parsed, x.dtype)
+    return parsed
 
 
 def _rows(x: np.ndarray, collective: str) -> int:
@@ -311,7 +314,8 @@ def _out(out, x, shape, collective, may_alias=False) -> np.ndarray:
         )
     if out.shape != tuple(shape):
         raise ValueError(f"{collective}: out.shape={out.shape}; allowed: {tuple(shape)}")
-    if np.shares_memory(out, x) and not (may_alias and _same_memory(out, x)):
+    overlaps = np.may_share_memory(out, x) and np.shares_memory(out, x)
+    if overlaps and not (may_alias and _same_memory(out, x)):
         raise ValueError(
             f"{collective}: out overlaps x; pass out=x exactly (in place)"
             if may_alias
@@ -348,33 +352,49 @@ def _tag(tag: int, collective: str) -> int:
 
 
 def _schedule(collective, nbytes, comm, algorithm, root=None, peer=None) -> Schedule:
-    if not isinstance(algorithm, str):
-        raise TypeError(f"algorithm={algorithm!r} is not a name; allowed: 'auto' or a family name")
-    plan = plan_for(collective, nbytes, comm.size, algorithm)
-    return algorithms.build(plan.algorithm, collective, comm.size, plan.nsegments, root, peer)
+    # The choice depends on the segment settings too, which tests and explain may change.
+    key = (collective, nbytes, algorithm, root, peer, select.FORCED_SEGMENTS, select.SEGMENT_BYTES)
+    schedule = comm.schedules.get(key)
+    if schedule is None:
+        if not isinstance(algorithm, str):
+            raise TypeError(
+                f"algorithm={algorithm!r} is not a name; allowed: 'auto' or a family name"
+            )
+        plan = select.plan_for(collective, nbytes, comm.size, algorithm)
+        schedule = algorithms.build(
+            plan.algorithm, collective, comm.size, plan.nsegments, root, peer
+        )
+        if len(comm.schedules) >= 1024:  # a long size sweep: start over rather than grow
+            comm.schedules.clear()
+        comm.schedules[key] = schedule
+    return schedule
 
 
-def _run(comm, schedule, x, work, input_layout, work_layout, op, transport=None, tag=None):
-    source, target = x.reshape(-1), work.reshape(-1)
+@lru_cache(maxsize=4096)
+def _split(count: int, nblocks: int) -> tuple[int, ...]:
+    return tuple(split(count, nblocks))
+
+
+def _even(count: int, schedule: Schedule) -> tuple[int, ...]:
+    return _split(count, schedule.nblocks)
+
+
+def _run(comm, schedule, x, work, input_blocks, work_blocks, op, transport=None, tag=None):
+    """Run this rank's part of ``schedule``; blocks are element counts per block."""
+    source = x if x.ndim == 1 else x.reshape(-1)
+    target = work if work.ndim == 1 else work.reshape(-1)
     if comm.rank in schedule.input_read_late and np.shares_memory(source, target):
         source = source.copy()  # in place, yet the schedule reads INPUT after WORK changed
-    buffers = Buffers(source, target, input_layout, work_layout)
-    reducer = partial(reduce_into, op=op) if op is not None else _no_reduction
-    execute(
-        schedule,
-        comm.rank,
-        buffers,
-        transport or comm.transport,
-        comm.next_tag() if tag is None else tag,
-        reducer,
-    )
+    program = comm.program(schedule, input_blocks, work_blocks)
+    reduce = reducer(op, x.dtype) if op is not None else _no_reduction
+    tag = comm.next_tag() if tag is None else tag
+    run(program, source, target, transport or comm.transport, tag, reduce)
 
 
 def _point_to_point(comm, x, work, src, dst, tag) -> None:
-    plan = plan_for(Collective.SENDRECV, x.nbytes, comm.size, "direct")
-    schedule = algorithms.build("direct", Collective.SENDRECV, comm.size, plan.nsegments, src, dst)
-    layout = Layout.even(x.size, schedule.nblocks, schedule.nsegments)
-    _run(comm, schedule, x, work, layout, layout, None, transport=comm.p2p, tag=tag)
+    schedule = _schedule(Collective.SENDRECV, x.nbytes, comm, "direct", src, dst)
+    blocks = _even(x.size, schedule)
+    _run(comm, schedule, x, work, blocks, blocks, None, transport=comm.p2p, tag=tag)
 
 
 def _no_reduction(target: np.ndarray, incoming: np.ndarray) -> None:

@@ -1,94 +1,153 @@
 """Run one rank's steps of a schedule over a transport, with a reducer.
 
-The executor is algorithm-blind: it sees chunks, peers and "copy or reduce", never which
-family emitted them. For each step it posts the receives (into the work chunk for a copy, into
-scratch for a reduction), posts the sends, waits for all, then reduces in the listed order.
+The executor is algorithm-blind: it sees element ranges, peers and "copy or reduce", never
+which family emitted them. :func:`compile_program` resolves a rank's chunks to element ranges
+once per (schedule, sizes), so a repeated call does no chunk arithmetic; :func:`run` then, for
+each step, posts the receives (into WORK for a copy, into scratch for a reduction), posts the
+sends, waits for all, and reduces in the listed order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pycoll.bindings.transport import Transport
 from pycoll.schedule import Buffer, Layout, Recv, Schedule, seeded_chunks
 
-Reducer = Callable[[np.ndarray, np.ndarray], None]  # reduce_into(dst, src) in place
+Reducer = Callable[[np.ndarray, np.ndarray], None]  # reduce(dst, src) in place
+
+# Scratch up to this size stays with a compiled program; larger is allocated per call, where
+# the allocation is small next to moving the data, and memory is not held between calls.
+KEEP_SCRATCH_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Receive:
+    peer: int
+    start: int  # element range of WORK
+    stop: int
+    scratch: int  # offset in scratch when reducing, -1 when copying in place
+
+
+@dataclass(frozen=True)
+class Transmit:
+    peer: int
+    from_input: bool
+    start: int
+    stop: int
+
+
+@dataclass
+class Program:
+    """One rank's part of a schedule for given sizes, with every range resolved."""
+
+    seeds: tuple[tuple[int, int, int, int], ...]  # INPUT start, stop -> WORK start, stop
+    steps: tuple[tuple[tuple[Receive, ...], tuple[Transmit, ...]], ...]
+    scratch_elements: int
+    _scratch: np.ndarray | None = field(default=None, repr=False)
+
+    def scratch(self, dtype: np.dtype) -> np.ndarray:
+        if self._scratch is not None and self._scratch.dtype == dtype:
+            return self._scratch
+        scratch = np.empty(self.scratch_elements, dtype)
+        if scratch.nbytes <= KEEP_SCRATCH_BYTES:
+            self._scratch = scratch
+        return scratch
+
+
+def compile_program(
+    schedule: Schedule, rank: int, input_layout: Layout, work_layout: Layout
+) -> Program:
+    """Resolve ``rank``'s chunks to element ranges; zero-length transfers drop out (both ends
+    know every size from the same counts, so both drop the same ones)."""
+    seeds = tuple(
+        (*input_layout.chunk_range(i), *work_layout.chunk_range(w))
+        for i, w in seeded_chunks(schedule, rank)
+    )
+    steps = []
+    most = 0
+    for step in schedule.steps[rank]:
+        receives, transmits, used = [], [], 0
+        for transfer in step:
+            if isinstance(transfer, Recv):
+                start, stop = work_layout.chunk_range(transfer.chunk)
+                if stop == start:
+                    continue
+                offset = used if transfer.reduce else -1
+                used += (stop - start) if transfer.reduce else 0
+                receives.append(Receive(transfer.peer, start, stop, offset))
+            else:
+                from_input = transfer.buffer is Buffer.INPUT
+                layout = input_layout if from_input else work_layout
+                start, stop = layout.chunk_range(transfer.chunk)
+                if stop > start:
+                    transmits.append(Transmit(transfer.peer, from_input, start, stop))
+        most = max(most, used)
+        if receives or transmits:
+            steps.append((tuple(receives), tuple(transmits)))
+    return Program(seeds, tuple(steps), most)
+
+
+def run(
+    program: Program,
+    source: np.ndarray,
+    work: np.ndarray,
+    transport: Transport,
+    tag: int,
+    reduce: Reducer,
+) -> None:
+    """Seed WORK from INPUT (flat views), then run the program's steps in order."""
+    for in_start, in_stop, work_start, work_stop in program.seeds:
+        target = work[work_start:work_stop]
+        incoming = source[in_start:in_stop]
+        if not np.may_share_memory(incoming, target):  # the caller forbids partial overlap
+            target[...] = incoming
+    if not program.steps:
+        return
+    scratch = program.scratch(work.dtype) if program.scratch_elements else None
+    for receives, transmits in program.steps:
+        if len(receives) == 1 and len(transmits) == 1:  # a ring step, or a pair exchange
+            r, t = receives[0], transmits[0]
+            into = work[r.start : r.stop] if r.scratch < 0 else scratch[: r.stop - r.start]
+            out = (source if t.from_input else work)[t.start : t.stop]
+            transport.sendrecv(out, t.peer, into, r.peer, tag)
+            if r.scratch >= 0:
+                reduce(work[r.start : r.stop], into)
+            continue
+        requests = []
+        reductions = []
+        for r in receives:  # receives first, so that sends find them posted
+            if r.scratch < 0:
+                requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag))
+            else:
+                into = scratch[r.scratch : r.scratch + r.stop - r.start]
+                requests.append(transport.irecv(into, r.peer, tag))
+                reductions.append((work[r.start : r.stop], into))
+        for t in transmits:
+            buffer = source if t.from_input else work
+            requests.append(transport.isend(buffer[t.start : t.stop], t.peer, tag))
+        transport.waitall(requests)
+        for target, incoming in reductions:
+            reduce(target, incoming)
 
 
 @dataclass(frozen=True)
 class Buffers:
-    """One rank's flat views of INPUT and WORK, and how each is cut into chunks."""
+    """One rank's flat INPUT and WORK and how each is cut into chunks (a one-off run)."""
 
     input: np.ndarray
     work: np.ndarray
     input_layout: Layout
     work_layout: Layout
 
-    def chunk(self, buffer: Buffer, chunk: int) -> np.ndarray:
-        if buffer is Buffer.INPUT:
-            start, stop = self.input_layout.chunk_range(chunk)
-            return self.input[start:stop]
-        start, stop = self.work_layout.chunk_range(chunk)
-        return self.work[start:stop]
-
 
 def execute(
-    schedule: Schedule,
-    rank: int,
-    buffers: Buffers,
-    transport: Transport,
-    tag: int,
-    reduce_into: Reducer,
+    schedule: Schedule, rank: int, buffers: Buffers, transport: Transport, tag: int,
+    reduce: Reducer,
 ) -> None:
-    """Seed WORK from INPUT as the contract says, then run ``rank``'s steps in order."""
-    for input_chunk, work_chunk in seeded_chunks(schedule, rank):
-        source = buffers.chunk(Buffer.INPUT, input_chunk)
-        target = buffers.chunk(Buffer.WORK, work_chunk)
-        if not np.shares_memory(source, target):
-            target[...] = source
-    steps = schedule.steps[rank]
-    if not steps:
-        return
-    scratch = np.empty(_scratch_elements(steps, buffers.work_layout), buffers.work.dtype)
-    for step in steps:
-        requests = []
-        reductions = []
-        used = 0
-        for transfer in step:  # receives first, so that sends find them posted
-            if not isinstance(transfer, Recv):
-                continue
-            target = buffers.chunk(Buffer.WORK, transfer.chunk)
-            if target.size == 0:  # both sides know the size from the same counts
-                continue
-            if transfer.reduce:
-                incoming = scratch[used : used + target.size]
-                used += target.size
-                reductions.append((target, incoming))
-                requests.append(transport.irecv(incoming, transfer.peer, tag))
-            else:
-                requests.append(transport.irecv(target, transfer.peer, tag))
-        for transfer in step:
-            if isinstance(transfer, Recv):
-                continue
-            source = buffers.chunk(transfer.buffer, transfer.chunk)
-            if source.size:
-                requests.append(transport.isend(source, transfer.peer, tag))
-        transport.waitall(requests)
-        for target, incoming in reductions:
-            reduce_into(target, incoming)
-
-
-def _scratch_elements(steps, layout: Layout) -> int:
-    """The most elements any one step receives for reduction."""
-    most = 0
-    for step in steps:
-        size = 0
-        for transfer in step:
-            if isinstance(transfer, Recv) and transfer.reduce:
-                start, stop = layout.chunk_range(transfer.chunk)
-                size += stop - start
-        most = max(most, size)
-    return most
+    """Compile and run ``rank``'s part of ``schedule`` once."""
+    program = compile_program(schedule, rank, buffers.input_layout, buffers.work_layout)
+    run(program, buffers.input, buffers.work, transport, tag, reduce)

@@ -461,6 +461,7 @@ def test_package_reexports() -> None:
             "check_dtype",
             "check_op_for_dtype",
             "reduce_into",
+            "reducer",
             "finish",
         ]
     )
@@ -476,3 +477,15 @@ def test_avg_any_shape(dt: type, shape: tuple[int, ...]) -> None:
     finish(work, ReduceOp.AVG, 2)
     expected = -3 if np.dtype(dt).kind == "i" else -3.5
     np.testing.assert_array_equal(work, np.full(shape, expected, dtype=dt), strict=True)
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+def test_reducer_matches_reduce_into(dtype) -> None:
+    ops = [ReduceOp.SUM, ReduceOp.PROD] if dtype.kind == "c" else list(ReduceOp)
+    for op in ops:
+        a = (np.arange(6) % 3 + 1).astype(dtype)
+        b = (np.arange(6) % 2 + 1).astype(dtype)
+        expected = a.copy()
+        reduce_into(expected, b, op)
+        kernels.reducer(op, dtype)(a, b)
+        assert a.tobytes() == expected.tobytes()
