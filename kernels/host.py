@@ -176,37 +176,45 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
             f"src.shape={src.shape} differs from dst.shape={dst.shape}; "
             "both buffers of a reduction must have the same shape"
         )
-    reducer(ReduceOp.parse(op), dst.dtype)(dst, src)
+    # C semantics, silently: integers wrap, floats overflow to inf, NaN propagates.
+    with np.errstate(all="ignore"):
+        reducer(ReduceOp.parse(op), dst.dtype)(dst, src)
 
 
 @functools.cache
-def reducer(op: ReduceOp, dtype: np.dtype) -> Callable[[np.ndarray, np.ndarray], None]:
-    """``reduce(dst, src)``: in place ``dst = dst (op) src`` for arrays of ``dtype``.
+def reducer(op: ReduceOp, dtype: np.dtype) -> Callable[..., None]:
+    """``reduce(dst, src)``: in place ``dst = dst (op) src`` for arrays of ``dtype``;
+    ``reduce(dst, src, first)``: ``dst = first (op) src``, sparing a copy of ``first``.
 
     Validated once per (op, dtype); the executor calls the result on its hot path, where
-    both arrays are known to match.
+    the arrays are known to match. IEEE floats get no ``np.errstate`` block, which would
+    cost more than a small reduction: an overflow gives inf, as in C, and numpy reports it
+    with its usual RuntimeWarning, as for any numpy add. bfloat16 keeps one, since ml_dtypes
+    warns spuriously when min/max meet a NaN.
     """
     check_op_for_dtype(op, dtype)
     ufunc = _UFUNCS[op]
-    dtype = np.dtype(dtype)
-    combine = _BF16_FALLBACK.get(ufunc) if dtype == _BFLOAT16 else None
-    if dtype.kind in "iu":
-        # numpy never warns about wrapping integer arrays: no error state to set up.
-        def reduce(dst: np.ndarray, src: np.ndarray) -> None:
-            ufunc(dst, src, out=dst)
+    if np.dtype(dtype) != _BFLOAT16:
+
+        def reduce(dst: np.ndarray, src: np.ndarray, first: np.ndarray | None = None) -> None:
+            ufunc(dst if first is None else first, src, out=dst)
 
         return reduce
 
-    def reduce(dst: np.ndarray, src: np.ndarray) -> None:
-        # C semantics: floats overflow to inf and NaN propagates, silently. bfloat16
-        # min/max also warn on NaN, which this silences too.
+    combine = _BF16_FALLBACK.get(ufunc)
+
+    def reduce_bfloat16(
+        dst: np.ndarray, src: np.ndarray, first: np.ndarray | None = None
+    ) -> None:
         with np.errstate(all="ignore"):
             if combine is not None:
+                if first is not None:
+                    dst[...] = first
                 combine(dst, src)
             else:
-                ufunc(dst, src, out=dst)
+                ufunc(dst if first is None else first, src, out=dst)
 
-    return reduce
+    return reduce_bfloat16
 
 
 def _trunc_div_int(work: np.ndarray, n: int) -> None:

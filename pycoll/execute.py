@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pycoll.bindings.transport import Transport
-from pycoll.schedule import Buffer, Layout, Recv, Schedule, seeded_chunks
+from pycoll.schedule import Buffer, Layout, Recv, Schedule, Send, seeded_chunks
 
-Reducer = Callable[[np.ndarray, np.ndarray], None]  # reduce(dst, src) in place
+# reduce(dst, src): dst = dst (op) src; reduce(dst, src, first): dst = first (op) src
+Reducer = Callable[..., None]
 
 # Scratch up to this size stays with a compiled program; larger is allocated per call, where
 # the allocation is small next to moving the data, and memory is not held between calls.
@@ -30,6 +31,9 @@ class Receive:
     start: int  # element range of WORK
     stop: int
     scratch: int  # offset in scratch when reducing, -1 when copying in place
+    # When reducing into a chunk whose seed copy was deferred: the INPUT range to combine
+    # with instead of WORK, so seeding and the first reduction are one pass over memory.
+    fused: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -61,24 +65,39 @@ class Program:
 def compile_program(
     schedule: Schedule, rank: int, input_layout: Layout, work_layout: Layout
 ) -> Program:
-    """Resolve ``rank``'s chunks to element ranges; zero-length transfers drop out (both ends
-    know every size from the same counts, so both drop the same ones)."""
-    seeds = tuple(
-        (*input_layout.chunk_range(i), *work_layout.chunk_range(w))
-        for i, w in seeded_chunks(schedule, rank)
-    )
+    """Resolve ``rank``'s chunks to element ranges, once per (schedule, sizes).
+
+    Zero-length transfers drop out (both ends know every size from the same counts, so both
+    drop the same ones). A seed copy is deferred until its chunk is first used: a chunk first
+    reduced into combines INPUT with the incoming data directly (``Receive.fused``), a chunk
+    first overwritten is never copied at all; only chunks first sent, or never touched, are
+    copied before the first step.
+    """
+    pending = {w: input_layout.chunk_range(i) for i, w in seeded_chunks(schedule, rank)}
+    seeds: list[tuple[int, int, int, int]] = []
+
+    def materialize(chunk: int) -> None:
+        if chunk in pending:
+            seeds.append((*pending.pop(chunk), *work_layout.chunk_range(chunk)))
+
     steps = []
     most = 0
     for step in schedule.steps[rank]:
         receives, transmits, used = [], [], 0
+        for transfer in step:  # sends read the step's starting state: materialize first
+            if isinstance(transfer, Send) and transfer.buffer is Buffer.WORK:
+                materialize(transfer.chunk)
         for transfer in step:
             if isinstance(transfer, Recv):
                 start, stop = work_layout.chunk_range(transfer.chunk)
+                fused = pending.pop(transfer.chunk, None)
                 if stop == start:
                     continue
-                offset = used if transfer.reduce else -1
-                used += (stop - start) if transfer.reduce else 0
-                receives.append(Receive(transfer.peer, start, stop, offset))
+                if not transfer.reduce:
+                    receives.append(Receive(transfer.peer, start, stop, -1))
+                    continue
+                receives.append(Receive(transfer.peer, start, stop, used, fused))
+                used += stop - start
             else:
                 from_input = transfer.buffer is Buffer.INPUT
                 layout = input_layout if from_input else work_layout
@@ -88,7 +107,9 @@ def compile_program(
         most = max(most, used)
         if receives or transmits:
             steps.append((tuple(receives), tuple(transmits)))
-    return Program(seeds, tuple(steps), most)
+    for chunk in list(pending):  # never touched by a step: part of the result as seeded
+        materialize(chunk)
+    return Program(tuple(seeds), tuple(steps), most)
 
 
 def run(
@@ -115,7 +136,7 @@ def run(
             out = (source if t.from_input else work)[t.start : t.stop]
             transport.sendrecv(out, t.peer, into, r.peer, tag)
             if r.scratch >= 0:
-                reduce(work[r.start : r.stop], into)
+                _reduce(reduce, work, source, r, into)
             continue
         requests = []
         reductions = []
@@ -125,13 +146,21 @@ def run(
             else:
                 into = scratch[r.scratch : r.scratch + r.stop - r.start]
                 requests.append(transport.irecv(into, r.peer, tag))
-                reductions.append((work[r.start : r.stop], into))
+                reductions.append((r, into))
         for t in transmits:
             buffer = source if t.from_input else work
             requests.append(transport.isend(buffer[t.start : t.stop], t.peer, tag))
         transport.waitall(requests)
-        for target, incoming in reductions:
-            reduce(target, incoming)
+        for r, incoming in reductions:
+            _reduce(reduce, work, source, r, incoming)
+
+
+def _reduce(reduce: Reducer, work, source, receive: Receive, incoming) -> None:
+    target = work[receive.start : receive.stop]
+    if receive.fused is None:
+        reduce(target, incoming)
+    else:
+        reduce(target, incoming, source[receive.fused[0] : receive.fused[1]])
 
 
 @dataclass(frozen=True)

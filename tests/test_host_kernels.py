@@ -489,3 +489,20 @@ def test_reducer_matches_reduce_into(dtype) -> None:
         reduce_into(expected, b, op)
         kernels.reducer(op, dtype)(a, b)
         assert a.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("dt", [np.float16, np.float32, np.float64], ids=str)
+def test_the_fast_reducer_overflows_to_inf_with_numpys_warning(dt: type) -> None:
+    big = float(np.finfo(dt).max)
+    a = np.array([big, 1.0], dtype=dt)
+    with pytest.warns(RuntimeWarning, match="overflow"):
+        kernels.reducer(ReduceOp.SUM, np.dtype(dt))(a, np.array([big, 2.0], dtype=dt))
+    assert a[0] == np.inf and a[1] == 3.0
+
+
+def test_the_fast_bfloat16_reducer_is_silent_on_nan() -> None:
+    m = np.array([np.nan, 1.0], dtype=BF16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels.reducer(ReduceOp.MIN, BF16)(m, np.array([1.0, np.nan], dtype=BF16))
+    assert np.isnan(m.astype(np.float32)).all()
