@@ -9,17 +9,17 @@ read as flat sequences of elements; the sharded collectives split along the firs
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import numpy as np
 
 from pycoll import algorithms, select
 from pycoll.comm import Communicator, world
-from pycoll.execute import run
+from pycoll.execute import compile_program, run
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype, finish, reducer
-from pycoll.schedule import Collective, Schedule, split
+from pycoll.schedule import Collective, Layout, split
 
 OpLike = str | ReduceOp
+PREPARED_CALLS = 1024  # call shapes remembered per communicator
 
 
 def allreduce(
@@ -33,9 +33,7 @@ def allreduce(
     """Combine ``x`` over all ranks with ``op``; every rank gets the whole result."""
     comm, op = _comm(comm), _op(op, x, "allreduce")
     out = _out(out, x, x.shape, "allreduce", may_alias=True)
-    schedule = _schedule(Collective.ALLREDUCE, x.nbytes, comm, algorithm)
-    blocks = _even(x.size, schedule)
-    _run(comm, schedule, x, out, blocks, blocks, op)
+    _run(comm, Collective.ALLREDUCE, x, out, op, algorithm)
     if op is ReduceOp.AVG:
         finish(out.reshape(-1), op, comm.size)
     return out
@@ -56,10 +54,9 @@ def reduce_scatter(
     counts = _counts(counts, rows, comm.size, "reduce_scatter", "len(x)")
     shape = (counts[comm.rank], *x.shape[1:])
     out = _out(out, x, shape, "reduce_scatter")
-    schedule = _schedule(Collective.REDUCE_SCATTER, x.nbytes, comm, algorithm)
     blocks = tuple(c * _row_size(x) for c in counts)
     work = np.empty(x.size, x.dtype)
-    _run(comm, schedule, x, work, blocks, blocks, op)
+    _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
     start = sum(blocks[: comm.rank])
     result = work[start : start + blocks[comm.rank]]
     finish(result, op, comm.size)
@@ -93,9 +90,9 @@ def allgather(
                 f"{rows} rows; counts[r] must be the length of rank r's x"
             )
     out = _out(out, x, (sum(counts), *x.shape[1:]), "allgather")
-    schedule = _schedule(Collective.ALLGATHER, x.nbytes * comm.size, comm, algorithm)
     row = _row_size(x)
-    _run(comm, schedule, x, out, (x.size,), tuple(c * row for c in counts), None)
+    blocks = tuple(c * row for c in counts)
+    _run(comm, Collective.ALLGATHER, x, out, None, algorithm, (x.size,), blocks, out.nbytes)
     return out
 
 
@@ -111,9 +108,7 @@ def broadcast(
     _check_array(x, "broadcast")
     _writable(x, "x", "broadcast")
     root = _root(root, comm, "broadcast")
-    schedule = _schedule(Collective.BROADCAST, x.nbytes, comm, algorithm, root=root)
-    blocks = _even(x.size, schedule)
-    _run(comm, schedule, x, x, blocks, blocks, None)
+    _run(comm, Collective.BROADCAST, x, x, None, algorithm, root=root)
     return x
 
 
@@ -134,9 +129,7 @@ def reduce(
         work = out
     else:
         work = np.empty_like(x)  # partial results pass through non-root ranks
-    schedule = _schedule(Collective.REDUCE, x.nbytes, comm, algorithm, root=root)
-    blocks = _even(x.size, schedule)
-    _run(comm, schedule, x, work, blocks, blocks, op)
+    _run(comm, Collective.REDUCE, x, work, op, algorithm, root=root)
     if comm.rank != root:
         return None
     finish(out.reshape(-1), op, comm.size)
@@ -194,10 +187,10 @@ def alltoallv(
 
 
 def _alltoallv(x, send_counts, recv_counts, out, comm) -> np.ndarray:
-    schedule = _schedule(Collective.ALLTOALL, x.nbytes, comm, "direct")
     row = _row_size(x)
     sent = tuple(c * row for c in send_counts)
-    _run(comm, schedule, x, out, sent, tuple(c * row for c in recv_counts), None)
+    arrived = tuple(c * row for c in recv_counts)
+    _run(comm, Collective.ALLTOALL, x, out, None, "direct", sent, arrived)
     return out
 
 
@@ -351,50 +344,68 @@ def _tag(tag: int, collective: str) -> int:
     return int(tag)
 
 
-def _schedule(collective, nbytes, comm, algorithm, root=None, peer=None) -> Schedule:
-    # The choice depends on the segment settings too, which tests and explain may change.
-    key = (collective, nbytes, algorithm, root, peer, select.FORCED_SEGMENTS, select.SEGMENT_BYTES)
-    schedule = comm.schedules.get(key)
-    if schedule is None:
-        if not isinstance(algorithm, str):
-            raise TypeError(
-                f"algorithm={algorithm!r} is not a name; allowed: 'auto' or a family name"
-            )
-        plan = select.plan_for(collective, nbytes, comm.size, algorithm)
-        schedule = algorithms.build(
-            plan.algorithm, collective, comm.size, plan.nsegments, root, peer
-        )
-        if len(comm.schedules) >= 1024:  # a long size sweep: start over rather than grow
-            comm.schedules.clear()
-        comm.schedules[key] = schedule
-    return schedule
+def _run(
+    comm: Communicator,
+    collective: Collective,
+    x: np.ndarray,
+    work: np.ndarray,
+    op: ReduceOp | None,
+    algorithm: str,
+    input_blocks: tuple[int, ...] | None = None,
+    blocks: tuple[int, ...] | None = None,
+    nbytes: int | None = None,
+    *,
+    root: int | None = None,
+    peer: int | None = None,
+    transport=None,
+    tag: int | None = None,
+) -> None:
+    """Run this rank's part of the schedule chosen for this call.
 
-
-@lru_cache(maxsize=4096)
-def _split(count: int, nblocks: int) -> tuple[int, ...]:
-    return tuple(split(count, nblocks))
-
-
-def _even(count: int, schedule: Schedule) -> tuple[int, ...]:
-    return _split(count, schedule.nblocks)
-
-
-def _run(comm, schedule, x, work, input_blocks, work_blocks, op, transport=None, tag=None):
-    """Run this rank's part of ``schedule``; blocks are element counts per block."""
+    ``blocks`` are WORK's element counts per block and ``input_blocks`` INPUT's (None: even
+    shares of ``x`` / the same as WORK). What a call of this shape needs (the choice, the
+    schedule, its compiled program, the reducer) is prepared once per communicator, so the
+    repeated small call does one dictionary lookup before moving data.
+    """
+    key = (collective, algorithm, x.dtype, x.size, op, root, peer, input_blocks, blocks,
+           nbytes, select.FORCED_SEGMENTS, select.SEGMENT_BYTES)  # segments may be forced
+    prepared = comm.prepared.get(key)
+    if prepared is None:
+        prepared = _prepare(comm, key)
+    schedule, program, reduce = prepared
     source = x if x.ndim == 1 else x.reshape(-1)
     target = work if work.ndim == 1 else work.reshape(-1)
     if comm.rank in schedule.input_read_late and np.shares_memory(source, target):
         source = source.copy()  # in place, yet the schedule reads INPUT after WORK changed
-    program = comm.program(schedule, input_blocks, work_blocks)
-    reduce = reducer(op, x.dtype) if op is not None else _no_reduction
     tag = comm.next_tag() if tag is None else tag
     run(program, source, target, transport or comm.transport, tag, reduce)
 
 
+def _prepare(comm: Communicator, key: tuple) -> tuple:
+    collective, algorithm, dtype, size, op, root, peer, input_blocks, blocks, nbytes = key[:10]
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm={algorithm!r} is not a name; allowed: 'auto' or a family name")
+    nbytes = size * dtype.itemsize if nbytes is None else nbytes
+    plan = select.plan_for(collective, nbytes, comm.size, algorithm)
+    schedule = algorithms.build(plan.algorithm, collective, comm.size, plan.nsegments, root, peer)
+    work_blocks = tuple(split(size, schedule.nblocks)) if blocks is None else blocks
+    input_blocks = work_blocks if input_blocks is None else input_blocks
+    program = compile_program(
+        schedule,
+        comm.rank,
+        Layout(list(input_blocks), schedule.nsegments),
+        Layout(list(work_blocks), schedule.nsegments),
+    )
+    reduce = reducer(op, dtype) if op is not None else _no_reduction
+    if len(comm.prepared) >= PREPARED_CALLS:  # a long size sweep: start over rather than grow
+        comm.prepared.clear()
+    comm.prepared[key] = prepared = (schedule, program, reduce)
+    return prepared
+
+
 def _point_to_point(comm, x, work, src, dst, tag) -> None:
-    schedule = _schedule(Collective.SENDRECV, x.nbytes, comm, "direct", src, dst)
-    blocks = _even(x.size, schedule)
-    _run(comm, schedule, x, work, blocks, blocks, None, transport=comm.p2p, tag=tag)
+    _run(comm, Collective.SENDRECV, x, work, None, "direct", root=src, peer=dst,
+         transport=comm.p2p, tag=tag)
 
 
 def _no_reduction(target: np.ndarray, incoming: np.ndarray) -> None:

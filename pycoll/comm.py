@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,11 +18,8 @@ import numpy as np
 from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
 from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi
 from pycoll.bindings.transport import Transport
-from pycoll.execute import Program, compile_program
-from pycoll.schedule import Layout, Schedule
 
 _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
-PROGRAM_CACHE_SIZE = 256  # compiled (schedule, sizes) kept per communicator
 
 
 class Communicator:
@@ -56,36 +52,12 @@ class Communicator:
         self.size = transport.size
         self._sequence = 0
         self._splits = 0
-        self._programs: OrderedDict[tuple, tuple[Schedule, Program]] = OrderedDict()
-        self.schedules: dict[tuple, Schedule] = {}  # the API's choice per call shape
+        self.prepared: dict[tuple, tuple] = {}  # per call shape: schedule, program, reducer
 
     def next_tag(self) -> int:
         """The tag of the next collective; every rank calls collectives in the same order."""
         self._sequence = (self._sequence + 1) % _TAG_LIMIT
         return self._sequence
-
-    def program(
-        self, schedule: Schedule, input_blocks: tuple[int, ...], work_blocks: tuple[int, ...]
-    ) -> Program:
-        """This rank's compiled part of ``schedule`` for blocks of these element counts.
-
-        Cached, so that a repeated call (the small-message case) does no chunk arithmetic.
-        """
-        key = (id(schedule), input_blocks, work_blocks)
-        entry = self._programs.get(key)
-        if entry is not None and entry[0] is schedule:
-            self._programs.move_to_end(key)
-            return entry[1]
-        program = compile_program(
-            schedule,
-            self.rank,
-            Layout(list(input_blocks), schedule.nsegments),
-            Layout(list(work_blocks), schedule.nsegments),
-        )
-        self._programs[key] = (schedule, program)  # holding schedule keeps its id unique
-        if len(self._programs) > PROGRAM_CACHE_SIZE:
-            self._programs.popitem(last=False)
-        return program
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """Ranks that pass the same ``color`` form a new communicator, ordered by ``key`` then
