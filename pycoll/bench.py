@@ -244,14 +244,14 @@ class _Case:
             return oracle.allreduce([values(r, start, stop) for r in range(p)], op)
         if c is Collective.BROADCAST:
             return values(self.root, start, stop)
+        # AllGather and AllToAll: element i comes from source i // shard, at offset i % shard
+        # of the source's piece (its own shard, or the piece addressed to this rank).
         shard = self.count // p
         parts = []
-        for index in range(start, stop):  # AllGather and AllToAll: element by element source
-            source, offset = divmod(index, shard)
-            if c is Collective.ALLTOALL:
-                parts.append(values(source, rank * shard + offset, rank * shard + offset + 1))
-            else:
-                parts.append(values(source, offset, offset + 1))
+        for source in range(start // shard, (stop - 1) // shard + 1) if stop > start else []:
+            lo, hi = max(start, source * shard), min(stop, (source + 1) * shard)
+            base = rank * shard if c is Collective.ALLTOALL else 0
+            parts.append(values(source, base + lo - source * shard, base + hi - source * shard))
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 

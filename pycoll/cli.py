@@ -108,7 +108,7 @@ def _bench(args: argparse.Namespace) -> int:
             comm = pycoll.world()
             rows = bench.run(options, comm, bench.progress_bar)
             rank, size, where = comm.rank, comm.size, "MPI" if comm.mpi_comm else "in-process"
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         print(f"pycoll bench: {error}", file=sys.stderr)
         return 2
     if rank == 0:

@@ -1,0 +1,83 @@
+"""`pycoll bench`: nccl-tests conventions, in-process and under mpiexec against native MPI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_mpi import mpiexec
+
+from pycoll import bench
+from pycoll.cli import main
+from pycoll.schedule import Collective
+
+
+@pytest.mark.parametrize("text,size", [("8", 8), ("64K", 65536), ("32M", 32 << 20),
+                                       ("1G", 1 << 30), ("2kb", 2048)])
+def test_sizes_parse_as_nccl_tests_does(text, size):
+    assert bench.parse_size(text) == size
+
+
+def test_bad_sizes_are_named():
+    with pytest.raises(ValueError, match="size='1.5M' is invalid"):
+        bench.parse_size("1.5M")
+    with pytest.raises(ValueError, match="--step-factor=1"):
+        bench.sizes(8, 64, 1)
+
+
+def test_sweep_includes_both_ends_when_they_line_up():
+    assert bench.sizes(8, 128, 4) == [8, 32, 128]
+
+
+@pytest.mark.parametrize("collective,factor", [
+    (Collective.ALLREDUCE, 2 * 3 / 4), (Collective.REDUCE_SCATTER, 3 / 4),
+    (Collective.ALLGATHER, 3 / 4), (Collective.ALLTOALL, 3 / 4),
+    (Collective.BROADCAST, 1.0), (Collective.REDUCE, 1.0),
+])
+def test_bus_bandwidth_factors_follow_nccl_tests(collective, factor):
+    assert bench.bus_factor(collective, 4) == pytest.approx(factor)
+
+
+@pytest.mark.parametrize("collective", list(bench.COLLECTIVES))
+def test_in_process_sweep_checks_every_size(collective, capsys, tmp_path):
+    out = tmp_path / "rows.json"
+    code = main(["bench", collective, "--ranks", "3", "-b", "8", "-e", "4K", "-f", "8",
+                 "-n", "2", "-w", "1", "--algorithm", "all", "--json", str(out),
+                 "--csv", str(tmp_path / "rows.csv")])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "#wrong" in printed and "busbw(GB/s)" in printed
+    assert "out of bounds values: 0 OK" in printed
+    rows = json.loads(out.read_text())
+    assert rows and all(r["wrong"] == 0 and r["nranks"] == 3 for r in rows)
+    assert {r["algorithm"] for r in rows} >= {"auto"}
+    assert (tmp_path / "rows.csv").read_text().startswith("collective,nranks,size")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ranks", "2", "--against", "mpi"], "--against mpi needs MPI ranks"),
+    (["--ranks", "2", "--algorithm", "butterfly"], "--algorithm 'butterfly' has no allreduce"),
+    (["broadcast", "--ranks", "2", "--algorithm", "direct"], "has no broadcast schedule"),
+    (["--ranks", "2", "-o", "mean"], "op='mean' is not a reduction"),
+    (["--ranks", "2", "-d", "bool"], "dtype='bool' is not supported"),
+    (["nonsense", "--ranks", "2"], "collective='nonsense' is unknown"),
+])
+def test_bad_options_are_named(args, message, capsys):
+    assert main(["bench", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_against_native_mpi_under_mpiexec(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "pycoll", "bench", "allreduce", "-b", "8",
+         "-e", "64K", "-f", "16", "-n", "3", "-w", "1", "--algorithm", "ring,auto",
+         "--against", "mpi", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "mpi(us)" in done.stdout and "ratio" in done.stdout
+    rows = json.loads(out.read_text())
+    assert len(rows) == 8 and all(r["native_time_us"] > 0 and r["wrong"] == 0 for r in rows)

@@ -1,0 +1,76 @@
+"""Sub-communicators in-process: split, new_group, and collectives on several interleaved."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pycoll
+
+
+def test_split_orders_by_key_then_rank():
+    def body():
+        world = pycoll.world()
+        halves = world.split(world.rank % 2, key=-world.rank)  # reverse order inside a half
+        return halves.rank, halves.size, pycoll.allreduce(np.array([world.rank]), comm=halves)
+
+    results = pycoll.run_local(5, body)
+    assert [r[:2] for r in results] == [(2, 3), (1, 2), (1, 3), (0, 2), (0, 3)]
+    assert [int(r[2][0]) for r in results] == [6, 4, 6, 4, 6]
+
+
+def test_collectives_on_interleaved_communicators_never_mix():
+    def body():
+        world = pycoll.world()
+        pair = world.split(world.rank // 2)
+        out = []
+        for i in range(4):  # alternate world and pair collectives of the same shape
+            out.append(pycoll.allreduce(np.full(3, world.rank + i), comm=world, algorithm="ring"))
+            out.append(pycoll.allreduce(np.full(3, world.rank * i), comm=pair, algorithm="ring"))
+        return out
+
+    results = pycoll.run_local(4, body)
+    for rank, out in enumerate(results):
+        partner = rank ^ 1
+        for i in range(4):
+            assert out[2 * i].tolist() == [6 + 4 * i] * 3
+            assert out[2 * i + 1].tolist() == [(rank + partner) * i] * 3
+
+
+def test_new_group_gives_members_a_communicator_and_others_none():
+    def body():
+        group = pycoll.new_group([3, 1])
+        if group is None:
+            return None
+        return group.rank, pycoll.allgather(np.array([pycoll.world().rank]), comm=group).tolist()
+
+    assert pycoll.run_local(4, body) == [None, (1, [3, 1]), None, (0, [3, 1])]
+
+
+def test_send_and_recv_inside_a_sub_communicator_use_its_rank_numbers():
+    def body():
+        world = pycoll.world()
+        odd = world.split(world.rank % 2)
+        got = np.zeros(1, np.int64)
+        if odd.rank == 0:
+            pycoll.send(np.array([world.rank]), dst=1, comm=odd)
+        else:
+            pycoll.recv(got, src=0, comm=odd)
+        return int(got[0])
+
+    assert pycoll.run_local(4, body) == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("color", [-1, 1.5, True, "a"])
+def test_split_rejects_bad_colors(color):
+    def body():
+        pycoll.world().split(color)
+
+    with pytest.raises(ValueError, match="color=.* is invalid; allowed: an int >= 0 or None"):
+        pycoll.run_local(2, body)
+
+
+@pytest.mark.parametrize("ranks", [[], [0, 0], [5], [True]])
+def test_new_group_rejects_bad_rank_lists(ranks):
+    with pytest.raises(ValueError, match="new_group: ranks=.* is invalid"):
+        pycoll.run_local(2, lambda: pycoll.new_group(ranks))
