@@ -142,6 +142,11 @@ def check_point_to_point_and_groups() -> None:
     case("split rank", np.array(halves.rank), np.array(members.index(RANK)))
     got = pycoll.allreduce(np.array([RANK]), comm=halves)
     case("allreduce on a split", got, np.array([sum(members)]))
+    for i in range(3):  # interleave world and split collectives of the same shape
+        on_world = pycoll.allreduce(np.array([RANK + i]), comm=comm, algorithm="ring")
+        on_half = pycoll.allreduce(np.array([RANK * i]), comm=halves, algorithm="ring")
+        case(f"interleaved world {i}", on_world, np.array([P * (P - 1) // 2 + P * i]))
+        case(f"interleaved split {i}", on_half, np.array([sum(members) * i]))
     group = pycoll.new_group([0], comm=comm)
     case("new_group outside", np.array(group is None), np.array(RANK != 0))
     pycoll.barrier()
