@@ -43,7 +43,10 @@ class LocalWorld:
 
     def __init__(self, nranks: int):
         self.nranks = nranks
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        # One condition per rank on the shared lock: a completed message wakes its two ranks,
+        # not every waiting thread.
+        self._wakeup = [threading.Condition(self._lock) for _ in range(nranks)]
         # (channel, src, dst, tag) -> requests posted first, waiting for their match
         self._unmatched_sends: dict[tuple, deque[_Request]] = defaultdict(deque)
         self._unmatched_recvs: dict[tuple, deque[_Request]] = defaultdict(deque)
@@ -57,15 +60,19 @@ class LocalWorld:
 
     def fail(self, rank: int, error: BaseException) -> None:
         """Record the first failure and wake every waiting rank."""
-        with self._cond:
+        with self._lock:
             if self.failure is None:
                 self.failure, self.failed_rank = error, rank
-            self._cond.notify_all()
+            self._wake_everyone()
 
     def finish(self, rank: int) -> None:
-        with self._cond:
+        with self._lock:
             self._finished.add(rank)
-            self._cond.notify_all()
+            self._wake_everyone()
+
+    def _wake_everyone(self) -> None:
+        for condition in self._wakeup:
+            condition.notify_all()
 
     def _raise_if_failed(self, rank: int) -> None:
         if self.failure is not None:
@@ -81,7 +88,7 @@ class LocalWorld:
         else:
             key = (channel, request.peer, request.rank, request.tag)
             mine, theirs = self._unmatched_recvs, self._unmatched_sends
-        with self._cond:
+        with self._lock:
             self._raise_if_failed(request.rank)
             if not theirs[key]:
                 mine[key].append(request)
@@ -99,20 +106,21 @@ class LocalWorld:
         except BaseException as error:
             self.fail(request.rank, error)
             raise
-        with self._cond:
+        with self._lock:
             send._done = recv._done = True
-            self._cond.notify_all()
+            self._wakeup[send.rank].notify_all()
+            self._wakeup[recv.rank].notify_all()
         return request
 
     def wait(self, rank: int, requests: list[_Request]) -> None:
-        with self._cond:
+        with self._lock:
             for request in requests:
                 while not request._done:
                     self._raise_if_failed(rank)
                     self._waiting[rank] = request
                     if self._nobody_can_progress():
                         self._report_deadlock()
-                    self._cond.wait(timeout=1.0)
+                    self._wakeup[rank].wait(timeout=1.0)
                     del self._waiting[rank]
             self._raise_if_failed(rank)
 
@@ -131,7 +139,7 @@ class LocalWorld:
         )
         if self.failure is None:
             self.failure, self.failed_rank = error, min(self._waiting)
-        self._cond.notify_all()
+        self._wake_everyone()
         raise error
 
 
