@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("collective", nargs="?", default="allreduce",
                        help="allreduce (default), reduce_scatter, allgather, broadcast, reduce, "
-                            "alltoall")
+                            "alltoall; or 'kernels' for the GPU kernels' bandwidth")
     bench.add_argument("-b", "--min-bytes", default="8", help="smallest size (default 8)")
     bench.add_argument("-e", "--max-bytes", default="32M", help="largest size (default 32M)")
     bench.add_argument("-f", "--step-factor", type=int, default=2, help="size multiplier")
@@ -46,12 +46,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="comma-separated families and/or auto, or 'all'")
     bench.add_argument("--against", choices=["mpi"], help="also time mpi4py's native collective")
     bench.add_argument("--ranks", type=int, help="in-process ranks (default: the MPI job)")
+    bench.add_argument("--backend", default="cupy,numba",
+                       help="kernels only: comma-separated GPU kernel backends")
     bench.add_argument("--json", metavar="PATH", help="write rows as JSON ('-' for stdout)")
     bench.add_argument("--csv", metavar="PATH", help="write rows as CSV ('-' for stdout)")
     args = parser.parse_args(argv)
 
     if args.command == "bench":
-        return _bench(args)
+        return _bench_kernels(args) if args.collective == "kernels" else _bench(args)
 
     from pycoll import explain as scenes
 
@@ -120,3 +122,21 @@ def _bench(args: argparse.Namespace) -> int:
         if args.csv:
             bench.write_csv(rows, args.csv)
     return 0 if all(r.wrong == 0 for r in rows) else 1
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    from pycoll import bench, bench_kernels
+
+    try:
+        sizes = bench.sizes(bench.parse_size(args.min_bytes), bench.parse_size(args.max_bytes),
+                            args.step_factor)
+        dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+        backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+        rows = bench_kernels.run(sizes, dtypes, backends, args.op)
+    except (ValueError, TypeError, RuntimeError) as error:
+        print(f"pycoll bench kernels: {error}", file=sys.stderr)
+        return 2
+    print(bench_kernels.format_table(rows), flush=True)
+    if args.json:
+        bench_kernels.write_json(rows, args.json)
+    return 0

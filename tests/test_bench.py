@@ -81,3 +81,23 @@ def test_against_native_mpi_under_mpiexec(tmp_path):
     assert "mpi(us)" in done.stdout and "ratio" in done.stdout
     rows = json.loads(out.read_text())
     assert len(rows) == 8 and all(r["native_time_us"] > 0 and r["wrong"] == 0 for r in rows)
+
+
+def test_kernel_bench_says_plainly_when_there_is_no_gpu(capsys):
+    from pycoll import bench_kernels
+
+    if bench_kernels.gpu_available():
+        pytest.skip("a GPU is present: the measuring test below runs instead")
+    assert main(["bench", "kernels", "-b", "1M", "-e", "1M"]) == 2
+    assert "needs a CUDA GPU and CuPy; none found" in capsys.readouterr().err
+
+
+def test_kernel_bench_measures_every_kernel_on_a_gpu(capsys):
+    from pycoll import bench_kernels
+
+    if not bench_kernels.gpu_available():
+        pytest.skip("no CUDA GPU")
+    rows = bench_kernels.run([1 << 20], ["float32"], ["cupy", "numba"], repeats=2, batch=2)
+    kernels = {(r.kernel, r.backend) for r in rows}
+    assert {("copy", "cuda"), ("reduce", "cupy"), ("reduce_copy", "numba")} <= kernels
+    assert all(r.bandwidth > 0 for r in rows)
