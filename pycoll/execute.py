@@ -161,22 +161,3 @@ def _reduce(reduce: Reducer, work, source, receive: Receive, incoming) -> None:
         reduce(target, incoming)
     else:
         reduce(target, incoming, source[receive.fused[0] : receive.fused[1]])
-
-
-@dataclass(frozen=True)
-class Buffers:
-    """One rank's flat INPUT and WORK and how each is cut into chunks (a one-off run)."""
-
-    input: np.ndarray
-    work: np.ndarray
-    input_layout: Layout
-    work_layout: Layout
-
-
-def execute(
-    schedule: Schedule, rank: int, buffers: Buffers, transport: Transport, tag: int,
-    reduce: Reducer,
-) -> None:
-    """Compile and run ``rank``'s part of ``schedule`` once."""
-    program = compile_program(schedule, rank, buffers.input_layout, buffers.work_layout)
-    run(program, buffers.input, buffers.work, transport, tag, reduce)
