@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -145,8 +146,13 @@ def _abort_job_on_uncaught_exception(comm: Communicator) -> None:
     previous = sys.excepthook
 
     def abort(kind, error, traceback):
+        # The one-line reason first: when the job is torn down, the launcher may drop the
+        # rest of a rank's output; the pause gives it time to forward what was written.
+        print(f"pycoll: rank {comm.rank} raised {kind.__name__}: {error}; aborting the job",
+              file=sys.stderr, flush=True)
         previous(kind, error, traceback)
         sys.stderr.flush()
+        time.sleep(0.5)
         comm.mpi_comm.Abort(1)
 
     sys.excepthook = abort

@@ -46,6 +46,10 @@ def test_a_failing_rank_ends_the_job_quickly(mode):
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
     assert "finished, which it must not" not in output
-    expected = "rank 1 fails on purpose" if mode == "raise" else "out.dtype=float64"
+    expected = (
+        "pycoll: rank 1 raised RuntimeError: rank 1 fails on purpose; aborting the job"
+        if mode == "raise"
+        else "out.dtype=float64"
+    )
     assert expected in output
     assert time.monotonic() - started < 60
