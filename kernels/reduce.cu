@@ -17,20 +17,6 @@
 
 namespace pycoll {
 
-template <typename T, typename Op>
-struct InplaceBody {
-  T* dst;
-  const T* src;
-  __device__ void scalar(long long i) const { dst[i] = Op::apply(dst[i], src[i]); }
-  __device__ void vector(long long i) const {
-    Vec<T> x = load16(dst + i);
-    const Vec<T> y = load16(src + i);
-#pragma unroll
-    for (int l = 0; l < Vec<T>::kLanes; ++l) x.lane[l] = Op::apply(x.lane[l], y.lane[l]);
-    store16(dst + i, x);
-  }
-};
-
 // kPeer: also write to peer (reduce_copy); a template flag, so reduce_pair pays nothing.
 template <typename T, typename Op, bool kPeer>
 struct PairBody {
@@ -115,7 +101,7 @@ struct DivideBody {
 template <typename T, typename Op>
 __global__ void reduce_inplace(T* dst, const T* src, long long n) {
   const Split s = split16<T>(n, addr(dst), addr(dst) ^ addr(src));
-  for_each<T>(n, s, InplaceBody<T, Op>{dst, src});
+  for_each<T>(n, s, PairBody<T, Op, false>{dst, nullptr, dst, src});  // a = dst
 }
 
 // dst = a op b: the first reduction of a chunk, which also seeds dst (no separate copy).
