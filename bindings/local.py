@@ -54,6 +54,7 @@ class LocalWorld:
         self._finished: set[int] = set()
         self.failure: BaseException | None = None
         self.failed_rank: int | None = None
+        self.shared: dict[Any, Any] = {}  # objects every rank of the world uses (setdefault)
 
     def endpoint(self, rank: int, channel: str = "collective") -> LocalTransport:
         return LocalTransport(self, rank, channel)

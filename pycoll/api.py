@@ -9,76 +9,84 @@ read as flat sequences of elements; the sharded collectives split along the firs
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from pycoll import algorithms, select
 from pycoll.comm import Communicator, world
 from pycoll.execute import compile_program, run
-from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype, finish, reducer
+from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
 from pycoll.schedule import Collective, Layout, split
+from pycoll.spaces import space_of
 
 OpLike = str | ReduceOp
+Array = Any  # a numpy.ndarray, or a device array (cupy.ndarray) of a registered space
 PREPARED_CALLS = 1024  # call shapes remembered per communicator
 
 
 def allreduce(
-    x: np.ndarray,
+    x: Array,
     op: OpLike = "sum",
     *,
-    out: np.ndarray | None = None,
+    out: Array | None = None,
     comm: Communicator | None = None,
     algorithm: str = "auto",
-) -> np.ndarray:
+    stream: Any = None,
+) -> Array:
     """Combine ``x`` over all ranks with ``op``; every rank gets the whole result."""
-    comm, op = _comm(comm), _op(op, x, "allreduce")
-    out = _out(out, x, x.shape, "allreduce", may_alias=True)
-    _run(comm, Collective.ALLREDUCE, x, out, op, algorithm)
-    if op is ReduceOp.AVG:
-        finish(out.reshape(-1), op, comm.size)
+    comm, op, space = _comm(comm), _op(op, x, "allreduce"), _space(x, "allreduce")
+    with space.using(stream):
+        out = _out(out, x, x.shape, "allreduce", may_alias=True)
+        _run(comm, Collective.ALLREDUCE, x, out, op, algorithm)
+        if op is ReduceOp.AVG:
+            space.finish(out.reshape(-1), op, comm.size)
     return out
 
 
 def reduce_scatter(
-    x: np.ndarray,
+    x: Array,
     op: OpLike = "sum",
     *,
     counts: list[int] | None = None,
-    out: np.ndarray | None = None,
+    out: Array | None = None,
     comm: Communicator | None = None,
     algorithm: str = "auto",
-) -> np.ndarray:
+    stream: Any = None,
+) -> Array:
     """Combine ``x`` over all ranks; rank r gets rows ``sum(counts[:r])`` up to the next."""
-    comm, op = _comm(comm), _op(op, x, "reduce_scatter")
+    comm, op, space = _comm(comm), _op(op, x, "reduce_scatter"), _space(x, "reduce_scatter")
     rows = _rows(x, "reduce_scatter")
     counts = _counts(counts, rows, comm.size, "reduce_scatter", "len(x)")
     shape = (counts[comm.rank], *x.shape[1:])
-    out = _out(out, x, shape, "reduce_scatter")
-    blocks = tuple(c * _row_size(x) for c in counts)
-    work = np.empty(x.size, x.dtype)
-    _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
-    start = sum(blocks[: comm.rank])
-    result = work[start : start + blocks[comm.rank]]
-    finish(result, op, comm.size)
-    out.reshape(-1)[...] = result
+    with space.using(stream):
+        out = _out(out, x, shape, "reduce_scatter")
+        blocks = tuple(c * _row_size(x) for c in counts)
+        work = space.empty(x.size, x.dtype)
+        _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
+        start = sum(blocks[: comm.rank])
+        result = work[start : start + blocks[comm.rank]]
+        space.finish(result, op, comm.size)
+        space.copy(out.reshape(-1), result)
     return out
 
 
 def allgather(
-    x: np.ndarray,
+    x: Array,
     *,
     counts: list[int] | None = None,
-    out: np.ndarray | None = None,
+    out: Array | None = None,
     comm: Communicator | None = None,
     algorithm: str = "auto",
-) -> np.ndarray:
+    stream: Any = None,
+) -> Array:
     """Every rank's ``x`` concatenated in rank order along the first axis, on every rank.
 
     Without ``counts`` every rank's ``x`` has the same shape; with them, rank r's has
     ``counts[r]`` rows.
     """
     comm = _comm(comm)
-    _check_array(x, "allgather")
+    space = _space(x, "allgather")
     rows = _rows(x, "allgather")
     if counts is None:
         counts = [rows] * comm.size
@@ -89,82 +97,90 @@ def allgather(
                 f"allgather: counts[{comm.rank}]={counts[comm.rank]} but this rank's x has "
                 f"{rows} rows; counts[r] must be the length of rank r's x"
             )
-    out = _out(out, x, (sum(counts), *x.shape[1:]), "allgather")
-    row = _row_size(x)
-    blocks = tuple(c * row for c in counts)
-    _run(comm, Collective.ALLGATHER, x, out, None, algorithm, (x.size,), blocks, out.nbytes)
+    with space.using(stream):
+        out = _out(out, x, (sum(counts), *x.shape[1:]), "allgather")
+        row = _row_size(x)
+        blocks = tuple(c * row for c in counts)
+        _run(comm, Collective.ALLGATHER, x, out, None, algorithm, (x.size,), blocks, out.nbytes)
     return out
 
 
 def broadcast(
-    x: np.ndarray,
+    x: Array,
     root: int = 0,
     *,
     comm: Communicator | None = None,
     algorithm: str = "auto",
-) -> np.ndarray:
+    stream: Any = None,
+) -> Array:
     """Copy root's ``x`` into every rank's ``x`` (in place); returns ``x``."""
     comm = _comm(comm)
-    _check_array(x, "broadcast")
+    space = _space(x, "broadcast")
     _writable(x, "x", "broadcast")
     root = _root(root, comm, "broadcast")
-    _run(comm, Collective.BROADCAST, x, x, None, algorithm, root=root)
+    with space.using(stream):
+        _run(comm, Collective.BROADCAST, x, x, None, algorithm, root=root)
     return x
 
 
 def reduce(
-    x: np.ndarray,
+    x: Array,
     op: OpLike = "sum",
     root: int = 0,
     *,
-    out: np.ndarray | None = None,
+    out: Array | None = None,
     comm: Communicator | None = None,
     algorithm: str = "auto",
-) -> np.ndarray | None:
+    stream: Any = None,
+) -> Array | None:
     """Combine ``x`` over all ranks at ``root``; returns the result there, None elsewhere."""
-    comm, op = _comm(comm), _op(op, x, "reduce")
+    comm, op, space = _comm(comm), _op(op, x, "reduce"), _space(x, "reduce")
     root = _root(root, comm, "reduce")
-    if comm.rank == root:
-        out = _out(out, x, x.shape, "reduce", may_alias=True)
-        work = out
-    else:
-        work = np.empty_like(x)  # partial results pass through non-root ranks
-    _run(comm, Collective.REDUCE, x, work, op, algorithm, root=root)
-    if comm.rank != root:
-        return None
-    finish(out.reshape(-1), op, comm.size)
+    with space.using(stream):
+        if comm.rank == root:
+            out = _out(out, x, x.shape, "reduce", may_alias=True)
+            work = out
+        else:
+            work = space.empty(x.shape, x.dtype)  # partial results pass through non-roots
+        _run(comm, Collective.REDUCE, x, work, op, algorithm, root=root)
+        if comm.rank != root:
+            return None
+        space.finish(out.reshape(-1), op, comm.size)
     return out
 
 
 def alltoall(
-    x: np.ndarray,
+    x: Array,
     *,
-    out: np.ndarray | None = None,
+    out: Array | None = None,
     comm: Communicator | None = None,
-) -> np.ndarray:
+    stream: Any = None,
+) -> Array:
     """Rank r sends its j-th equal piece of ``x`` to rank j; pieces arrive in source order."""
     comm = _comm(comm)
-    _check_array(x, "alltoall")
+    space = _space(x, "alltoall")
     rows = _rows(x, "alltoall")
     counts = _counts(None, rows, comm.size, "alltoall", "len(x)")
-    out = _out(out, x, x.shape, "alltoall", may_alias=True)
-    return _alltoallv(x, counts, counts, out, comm)
+    with space.using(stream):
+        out = _out(out, x, x.shape, "alltoall", may_alias=True)
+        return _alltoallv(x, counts, counts, out, comm)
 
 
 def alltoallv(
-    x: np.ndarray,
+    x: Array,
     send_counts: list[int],
     recv_counts: list[int] | None = None,
     *,
     comm: Communicator | None = None,
-) -> np.ndarray:
+    stream: Any = None,
+) -> Array:
     """Rank r sends ``send_counts[j]`` rows of ``x`` to rank j, in order of j.
 
     Returns what arrived, in source-rank order. The counts are exchanged first; given
     ``recv_counts`` are checked against what the peers send, on every rank.
     """
     comm = _comm(comm)
-    _check_array(x, "alltoallv")
+    space = _space(x, "alltoallv")
     rows = _rows(x, "alltoallv")
     send_counts = _counts(send_counts, rows, comm.size, "alltoallv", "len(x)", "send_counts")
     if recv_counts is not None:
@@ -182,8 +198,9 @@ def alltoallv(
                     f"(its recv_counts[{src}]); the counts must agree between peers"
                 )
     arrived = [int(c) for c in sent[:, comm.rank]]
-    out = np.empty((sum(arrived), *x.shape[1:]), x.dtype)
-    return _alltoallv(x, send_counts, arrived, out, comm)
+    with space.using(stream):
+        out = space.empty((sum(arrived), *x.shape[1:]), x.dtype)
+        return _alltoallv(x, send_counts, arrived, out, comm)
 
 
 def _alltoallv(x, send_counts, recv_counts, out, comm) -> np.ndarray:
@@ -194,23 +211,28 @@ def _alltoallv(x, send_counts, recv_counts, out, comm) -> np.ndarray:
     return out
 
 
-def send(x: np.ndarray, dst: int, tag: int = 0, *, comm: Communicator | None = None) -> None:
-    """Send ``x`` to rank ``dst``; returns when ``dst`` has received it."""
+def send(
+    x: Array, dst: int, tag: int = 0, *, comm: Communicator | None = None, stream: Any = None
+) -> None:
+    """Send ``x`` to rank ``dst``; returns when ``dst`` has received it (device arrays: when
+    the copy is enqueued on ``dst``'s stream)."""
     comm = _comm(comm)
-    _check_array(x, "send")
+    space = _space(x, "send")
     dst = _peer(dst, comm, "send", "dst")
-    _point_to_point(comm, x, x, comm.rank, dst, _tag(tag, "send"))
+    with space.using(stream):
+        _point_to_point(comm, x, x, comm.rank, dst, _tag(tag, "send"))
 
 
 def recv(
-    out: np.ndarray, src: int, tag: int = 0, *, comm: Communicator | None = None
-) -> np.ndarray:
+    out: Array, src: int, tag: int = 0, *, comm: Communicator | None = None, stream: Any = None
+) -> Array:
     """Receive into ``out`` what rank ``src`` sends with ``tag``; returns ``out``."""
     comm = _comm(comm)
-    _check_array(out, "recv", "out")
+    space = _space(out, "recv", "out")
     _writable(out, "out", "recv")
     src = _peer(src, comm, "recv", "src")
-    _point_to_point(comm, out, out, src, comm.rank, _tag(tag, "recv"))
+    with space.using(stream):
+        _point_to_point(comm, out, out, src, comm.rank, _tag(tag, "recv"))
     return out
 
 
@@ -230,27 +252,34 @@ def _comm(comm: Communicator | None) -> Communicator:
     return comm
 
 
-def _check_array(x: object, collective: str, name: str = "x") -> None:
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{collective}: {name} is a {type(x).__name__}; allowed: a numpy.ndarray")
+def _space(x: object, collective: str, name: str = "x") -> Any:
+    """The memory space of ``x`` (numpy or a device), after checking ``x`` is usable."""
+    space = space_of(x)
+    if space is None:
+        raise TypeError(
+            f"{collective}: {name} is a {type(x).__name__}; allowed: a numpy.ndarray or a "
+            "cupy.ndarray"
+        )
     check_dtype(x.dtype)
     if not x.flags.c_contiguous:
+        module = "numpy" if space.name == "host" else "cupy"
         raise ValueError(
             f"{collective}: {name} is not C-contiguous (strides {x.strides}); "
-            f"pass numpy.ascontiguousarray({name})"
+            f"pass {module}.ascontiguousarray({name})"
         )
+    return space
 
 
-def _writable(x: np.ndarray, name: str, collective: str) -> None:
-    if not x.flags.writeable:
+def _writable(x: Array, name: str, collective: str) -> None:
+    if not getattr(x.flags, "writeable", True):  # device arrays have no read-only flag
         raise ValueError(f"{collective}: {name} is read-only; the result is written into it")
 
 
 _OPS_BY_NAME = {op.value: op for op in ReduceOp}
 
 
-def _op(op: OpLike, x: np.ndarray, collective: str) -> ReduceOp:
-    _check_array(x, collective)
+def _op(op: OpLike, x: Array, collective: str) -> ReduceOp:
+    _space(x, collective)
     parsed = op if isinstance(op, ReduceOp) else _OPS_BY_NAME.get(op) if type(op) is str else None
     if parsed is None:
         parsed = ReduceOp.parse(op)  # other spellings, or the error naming the allowed ones
@@ -259,7 +288,7 @@ def _op(op: OpLike, x: np.ndarray, collective: str) -> ReduceOp:
     return parsed
 
 
-def _rows(x: np.ndarray, collective: str) -> int:
+def _rows(x: Array, collective: str) -> int:
     if x.ndim == 0:
         raise ValueError(f"{collective}: x is 0-dimensional; allowed: an array of rows (ndim >= 1)")
     return x.shape[0]
@@ -296,10 +325,15 @@ def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
     return values
 
 
-def _out(out, x, shape, collective, may_alias=False) -> np.ndarray:
+def _out(out, x, shape, collective, may_alias=False) -> Array:
+    space = space_of(x)
     if out is None:
-        return np.empty(shape, x.dtype)
-    _check_array(out, collective, "out")
+        return space.empty(shape, x.dtype)
+    if _space(out, collective, "out") is not space:
+        raise TypeError(
+            f"{collective}: out is a {type(out).__name__} but x is a {type(x).__name__}; "
+            "they must live in the same memory (both numpy or both on the device)"
+        )
     _writable(out, "out", collective)
     if out.dtype != x.dtype:
         raise TypeError(
@@ -307,8 +341,8 @@ def _out(out, x, shape, collective, may_alias=False) -> np.ndarray:
         )
     if out.shape != tuple(shape):
         raise ValueError(f"{collective}: out.shape={out.shape}; allowed: {tuple(shape)}")
-    overlaps = np.may_share_memory(out, x) and np.shares_memory(out, x)
-    if overlaps and not (may_alias and _same_memory(out, x)):
+    overlaps = space.may_share_memory(out, x) and space.shares_memory(out, x)
+    if overlaps and not (may_alias and _same_memory(space, out, x)):
         raise ValueError(
             f"{collective}: out overlaps x; pass out=x exactly (in place)"
             if may_alias
@@ -317,11 +351,8 @@ def _out(out, x, shape, collective, may_alias=False) -> np.ndarray:
     return out
 
 
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    return (
-        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-        and a.nbytes == b.nbytes
-    )
+def _same_memory(space: Any, a: Array, b: Array) -> bool:
+    return space.address(a) == space.address(b) and a.nbytes == b.nbytes
 
 
 def _root(root: int, comm: Communicator, collective: str) -> int:
@@ -347,8 +378,8 @@ def _tag(tag: int, collective: str) -> int:
 def _run(
     comm: Communicator,
     collective: Collective,
-    x: np.ndarray,
-    work: np.ndarray,
+    x: Array,
+    work: Array,
     op: ReduceOp | None,
     algorithm: str,
     input_blocks: tuple[int, ...] | None = None,
@@ -357,7 +388,7 @@ def _run(
     *,
     root: int | None = None,
     peer: int | None = None,
-    transport=None,
+    p2p: bool = False,
     tag: int | None = None,
 ) -> None:
     """Run this rank's part of the schedule chosen for this call.
@@ -367,22 +398,31 @@ def _run(
     schedule, its compiled program, the reducer) is prepared once per communicator, so the
     repeated small call does one dictionary lookup before moving data.
     """
+    space = space_of(x)
     key = (collective, algorithm, x.dtype, x.size, op, root, peer, input_blocks, blocks,
-           nbytes, select.FORCED_SEGMENTS, select.SEGMENT_BYTES)  # segments may be forced
+           nbytes, space, select.FORCED_SEGMENTS, select.SEGMENT_BYTES)  # segments may be forced
     prepared = comm.prepared.get(key)
     if prepared is None:
         prepared = _prepare(comm, key)
     schedule, program, reduce = prepared
     source = x if x.ndim == 1 else x.reshape(-1)
     target = work if work.ndim == 1 else work.reshape(-1)
-    if comm.rank in schedule.input_read_late and np.shares_memory(source, target):
-        source = source.copy()  # in place, yet the schedule reads INPUT after WORK changed
+    if comm.rank in schedule.input_read_late and space.shares_memory(source, target):
+        # in place, yet the schedule reads INPUT after WORK changed
+        source, original = space.empty(source.size, source.dtype), source
+        space.copy(source, original)
     tag = comm.next_tag() if tag is None else tag
-    run(program, source, target, transport or comm.transport, tag, reduce)
+    if space.is_device:
+        transport = comm.device_transport(space, p2p)
+    else:
+        transport = comm.p2p if p2p else comm.transport
+    run(program, source, target, transport, tag, reduce, space)
 
 
 def _prepare(comm: Communicator, key: tuple) -> tuple:
-    collective, algorithm, dtype, size, op, root, peer, input_blocks, blocks, nbytes = key[:10]
+    collective, algorithm, dtype, size, op, root, peer, input_blocks, blocks, nbytes, space = key[
+        :11
+    ]
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm={algorithm!r} is not a name; allowed: 'auto' or a family name")
     nbytes = size * dtype.itemsize if nbytes is None else nbytes
@@ -396,7 +436,7 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
         Layout(list(input_blocks), schedule.nsegments),
         Layout(list(work_blocks), schedule.nsegments),
     )
-    reduce = reducer(op, dtype) if op is not None else _no_reduction
+    reduce = space.reducer(op, dtype) if op is not None else _no_reduction
     if len(comm.prepared) >= PREPARED_CALLS:  # a long size sweep: start over rather than grow
         comm.prepared.clear()
     comm.prepared[key] = prepared = (schedule, program, reduce)
@@ -404,9 +444,9 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
 
 
 def _point_to_point(comm, x, work, src, dst, tag) -> None:
-    _run(comm, Collective.SENDRECV, x, work, None, "direct", root=src, peer=dst,
-         transport=comm.p2p, tag=tag)
+    _run(comm, Collective.SENDRECV, x, work, None, "direct", root=src, peer=dst, p2p=True,
+         tag=tag)
 
 
-def _no_reduction(target: np.ndarray, incoming: np.ndarray) -> None:
+def _no_reduction(target: Array, incoming: Array) -> None:
     raise RuntimeError("this collective does not reduce, yet its schedule asked for a reduction")

@@ -8,6 +8,7 @@ messages never match the program's own.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ import numpy as np
 
 from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
 from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi
+from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
 from pycoll.bindings.transport import Transport
 
 _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
@@ -54,6 +56,49 @@ class Communicator:
         self._sequence = 0
         self._splits = 0
         self.prepared: dict[tuple, tuple] = {}  # per call shape: schedule, program, reducer
+        self._device_transports: dict[tuple, Any] = {}
+
+    def device_transport(self, space: Any, p2p: bool = False) -> Any:
+        """The endpoint that moves ``space``'s (device) arrays, made on first use.
+
+        Every rank makes it at the same call (its first device collective), since making it
+        exchanges handles. In-process ranks map each other's memory directly; MPI ranks use
+        CUDA IPC within a node and MPI between nodes (``PYCOLL_DEVICE_TRANSPORT=auto|ipc|
+        staged`` forces one; ``staged`` runs MPI even within a node).
+        """
+        key = (space.name, p2p)
+        transport = self._device_transports.get(key)
+        if transport is None:
+            if self.mpi_comm is None:
+                transport = self._in_process_device_transport(space, p2p)
+            else:
+                transport = _mpi_device_transport(self.mpi_comm, space)
+            self._device_transports[key] = transport
+        return transport
+
+    def _in_process_device_transport(self, space: Any, p2p: bool) -> Any:
+        from pycoll.bindings.staged import StagedTransport
+
+        host = self.p2p if p2p else self.transport
+        everyone = list(range(self.size))
+        channel = f"{host.channel}/{space.name}"
+        make_access = getattr(space, "peer_access_for", None)  # a stand-in device's own rules
+        if make_access is not None:
+            access = make_access(host.world.shared, self.rank)
+        else:
+            access = host.world.shared.setdefault(("peer access", space.name), SameProcessAccess())
+        # Threads share memory, so every peer is mappable; PYCOLL_RANKS_PER_NODE pretends
+        # otherwise, to run the between-node path (and the routing) in one process.
+        per_node = _ranks_per_node(self.size)
+        nodes = [rank // per_node for rank in everyone]
+        return _route(
+            self.rank, nodes, _device_transport_mode(),
+            lambda local: PeerMemoryTransport(
+                space, access, host.subgroup(everyone, channel + "/credits"),
+                host.subgroup(everyone, channel + "/notices"), peers=local,
+            ),
+            lambda: StagedTransport(space, host.subgroup(everyone, channel + "/staged")),
+        )
 
     def next_tag(self) -> int:
         """The tag of the next collective; every rank calls collectives in the same order."""
@@ -90,6 +135,79 @@ class Communicator:
     def __repr__(self) -> str:
         kind = "MPI" if self.mpi_comm is not None else "in-process"
         return f"Communicator(rank={self.rank}, size={self.size}, {kind})"
+
+
+DEVICE_TRANSPORTS = ("auto", "ipc", "staged")
+
+
+def _device_transport_mode() -> str:
+    mode = os.environ.get("PYCOLL_DEVICE_TRANSPORT", "auto").strip().lower() or "auto"
+    if mode not in DEVICE_TRANSPORTS:
+        raise ValueError(
+            f"PYCOLL_DEVICE_TRANSPORT={mode!r} is invalid; allowed: {', '.join(DEVICE_TRANSPORTS)}"
+        )
+    return mode
+
+
+def _ranks_per_node(size: int) -> int:
+    text = os.environ.get("PYCOLL_RANKS_PER_NODE", "")
+    if not text:
+        return size
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"PYCOLL_RANKS_PER_NODE={text!r} is invalid; allowed: an int >= 1")
+    return int(text)
+
+
+def _route(
+    rank: int, nodes: list[int], mode: str, peer_memory: Callable[[list[int]], Any],
+    staged: Callable[[], Any],
+) -> Any:
+    """Peer memory to the ranks of this node, staged messages to the others.
+
+    ``nodes[r]`` is rank r's node. Both endpoints are made on every rank whatever the routes
+    (making one may be collective), and ``staged`` everywhere when ``mode`` says so.
+    """
+    from pycoll.bindings.routed import RoutedTransport
+
+    local = [peer for peer, node in enumerate(nodes) if node == nodes[rank]]
+    if mode == "ipc" and len(local) < len(nodes):
+        raise ValueError(
+            f"PYCOLL_DEVICE_TRANSPORT=ipc but the ranks span {len(set(nodes))} nodes; peer "
+            "memory reaches one node only (allowed here: auto or staged)"
+        )
+    between = staged()
+    if mode == "staged":
+        return between
+    within = peer_memory(local)
+    if len(local) == len(nodes):
+        return within
+    if len(local) == 1:
+        return between
+    return RoutedTransport([within if node == nodes[rank] else between for node in nodes])
+
+
+def _mpi_device_transport(mpi_comm: Any, space: Any) -> Any:
+    """CUDA IPC to the ranks of this node, MPI (CUDA-aware or staged) to the others."""
+    from pycoll.bindings.staged import StagedTransport, cuda_aware_mpi
+
+    mode = _device_transport_mode()
+    access = getattr(space, "ipc_access", None)
+    if access is None:  # no way to map another process's memory
+        mode = "staged"
+    if mode == "staged":
+        nodes = list(range(mpi_comm.Get_size()))
+    else:
+        from pycoll.bindings.cuda_ipc import node_of_each_rank
+
+        nodes = node_of_each_rank(mpi_comm)
+    return _route(
+        mpi_comm.Get_rank(), nodes, mode,
+        lambda local: PeerMemoryTransport(
+            space, access(), MPITransport(mpi_comm.Dup()), MPITransport(mpi_comm.Dup()),
+            peers=local,
+        ),
+        lambda: StagedTransport(space, MPITransport(mpi_comm.Dup()), cuda_aware_mpi(mpi())),
+    )
 
 
 def new_group(ranks: Sequence[int], comm: Communicator | None = None) -> Communicator | None:

@@ -9,13 +9,16 @@ sends, waits for all, and reduces in the listed order.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from pycoll.bindings.transport import Transport
 from pycoll.schedule import Buffer, Layout, Recv, Schedule, Send, seeded_chunks
+from pycoll.spaces import HOST
 
 # reduce(dst, src): dst = dst (op) src; reduce(dst, src, first): dst = first (op) src
 Reducer = Callable[..., None]
@@ -114,19 +117,29 @@ def compile_program(
 
 def run(
     program: Program,
-    source: np.ndarray,
-    work: np.ndarray,
+    source: Any,
+    work: Any,
     transport: Transport,
     tag: int,
     reduce: Reducer,
+    space: Any = HOST,
 ) -> None:
-    """Seed WORK from INPUT (flat views), then run the program's steps in order."""
+    """Seed WORK from INPUT (flat views), then run the program's steps in order.
+
+    ``space`` does the copies (numpy's by default; a device space enqueues them on the
+    current stream). A transport that ``delivers`` takes each reduction with its receive and
+    combines the incoming data where it lands (a peer-memory inbox, a staging buffer);
+    otherwise data arrives in scratch and is reduced here.
+    """
     for in_start, in_stop, work_start, work_stop in program.seeds:
         target = work[work_start:work_stop]
         incoming = source[in_start:in_stop]
-        if not np.may_share_memory(incoming, target):  # the caller forbids partial overlap
-            target[...] = incoming
+        if not space.may_share_memory(incoming, target):  # the caller forbids partial overlap
+            space.copy(target, incoming)
     if not program.steps:
+        return
+    if getattr(transport, "delivers", False):
+        _run_delivered(program, source, work, transport, tag, reduce)
         return
     scratch = program.scratch(work.dtype) if program.scratch_elements else None
     for receives, transmits in program.steps:
@@ -153,6 +166,18 @@ def run(
         transport.waitall(requests)
         for r, incoming in reductions:
             _reduce(reduce, work, source, r, incoming)
+
+
+def _run_delivered(program: Program, source, work, transport, tag: int, reduce: Reducer) -> None:
+    for receives, transmits in program.steps:
+        requests = []
+        for r in receives:
+            combine = None if r.scratch < 0 else functools.partial(_reduce, reduce, work, source, r)
+            requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag, combine))
+        for t in transmits:
+            buffer = source if t.from_input else work
+            requests.append(transport.isend(buffer[t.start : t.stop], t.peer, tag))
+        transport.waitall(requests)
 
 
 def _reduce(reduce: Reducer, work, source, receive: Receive, incoming) -> None:

@@ -1,0 +1,259 @@
+"""Device messages between ranks that can map each other's memory (CUDA IPC, or threads).
+
+The protocol, NCCL's default in spirit: each rank owns one registered receive buffer (its
+*inbox*, pycoll's own allocation, never a user array), and senders write into it directly.
+
+1. ``irecv``: the receiver claims a slot of its inbox for this step, records its event (so
+   that everything it already read from the inbox is ordered before the slot is written
+   again), and sends the sender a *credit*: the inbox's handle, the slot's offset and size.
+2. ``waitall``, sends first: for each credit, the sender opens the inbox (once per inbox),
+   orders its stream after the receiver's event, copies its data into the slot, records its
+   own event and sends a *notice*.
+3. ``waitall``, receives: on each notice, the receiver orders its stream after the sender's
+   event and copies the slot into place, or reduces it into place (``combine``), the fused
+   read-reduce the executor asks for.
+
+Control messages are small host messages on two channels (credits, notices); all GPU work
+is ordered by events on each rank's current stream, never by host synchronisation, so the
+host returns as soon as everything is *enqueued*: the result is ready when the stream is.
+Credits are posted before anyone waits, so no rank waits for a message that waits on it.
+
+One event per rank serves every purpose: a stream waits on the event's latest record at the
+time of the wait, which is at or after the record the protocol needs, and every record that a
+wait names was issued before that wait, so waits cannot form a cycle.
+
+Inboxes only grow; an outgrown inbox stays alive until :meth:`close`, because peers may still
+have it mapped (freeing memory another process has open is undefined behaviour).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t are 64 bytes
+_HANDLE_WORDS = HANDLE_BYTES // 8
+# credit: inbox handle, capacity, offset, bytes
+_CREDIT_WORDS = _HANDLE_WORDS + 3
+
+
+class PeerAccess(Protocol):
+    """How one rank names its memory and events to another, and opens what it is given."""
+
+    def export(self, allocation: Any) -> bytes: ...
+    def open(self, handle: bytes, capacity: int) -> Any: ...
+    def close(self, opened: Any) -> None: ...
+    def export_event(self, event: Any) -> bytes: ...
+    def open_event(self, handle: bytes) -> Any: ...
+    def close_event(self, opened: Any) -> None: ...
+
+
+class SameProcessAccess:
+    """Peers that are threads of this process: a handle names an object in a registry."""
+
+    def __init__(self) -> None:
+        self._objects: dict[bytes, Any] = {}
+
+    def _name(self, thing: Any) -> bytes:
+        key = uuid.uuid4().bytes.ljust(HANDLE_BYTES, b"\0")
+        self._objects[key] = thing
+        return key
+
+    def export(self, allocation: Any) -> bytes:
+        return self._name(allocation)
+
+    def open(self, handle: bytes, capacity: int) -> Any:
+        return self._objects[handle]
+
+    def close(self, opened: Any) -> None:
+        pass
+
+    export_event = export
+
+    def open_event(self, handle: bytes) -> Any:
+        return self._objects[handle]
+
+    def close_event(self, opened: Any) -> None:
+        pass
+
+
+@dataclass
+class _Inbox:
+    allocation: Any
+    handle: bytes
+    capacity: int
+
+
+class _Outgoing:
+    __slots__ = ("buf", "peer", "tag", "credit", "credit_request", "notice_request")
+
+    def __init__(self, buf: Any, peer: int, tag: int):
+        self.buf, self.peer, self.tag = buf, peer, tag
+        self.credit = np.zeros(_CREDIT_WORDS, np.int64)
+        self.credit_request = None
+        self.notice_request = None
+
+    def done(self) -> bool:
+        return self.notice_request is not None
+
+
+class _Incoming:
+    __slots__ = ("buf", "peer", "tag", "inbox", "offset", "combine", "credit", "credit_request",
+                 "notice", "notice_request", "delivered")
+
+    def __init__(self, buf, peer, tag, inbox, offset, combine):
+        self.buf, self.peer, self.tag = buf, peer, tag
+        self.inbox, self.offset, self.combine = inbox, offset, combine
+        self.credit = np.zeros(_CREDIT_WORDS, np.int64)
+        self.credit_request = None
+        self.notice = np.zeros(1, np.int64)
+        self.notice_request = None
+        self.delivered = False
+
+    def done(self) -> bool:
+        return self.delivered
+
+
+def _words(handle: bytes) -> np.ndarray:
+    return np.frombuffer(handle.ljust(HANDLE_BYTES, b"\0")[:HANDLE_BYTES], np.int64)
+
+
+class PeerMemoryTransport:
+    """One rank's device endpoint over peer-mapped memory (see the module docstring).
+
+    ``space``: the device space (allocate, view, copy, events on the current stream);
+    ``access``: how handles are exported and opened; ``credits`` and ``notices``: two host
+    transports of the same group, used for the small control messages only.
+    """
+
+    delivers = True  # irecv takes ``combine``: the reduction reads the inbox directly
+
+    def __init__(
+        self, space: Any, access: PeerAccess, credits: Any, notices: Any,
+        peers: list[int] | None = None,
+    ):
+        self.space, self.access = space, access
+        self.credits, self.notices = credits, notices
+        self.rank, self.size = credits.rank, credits.size
+        # the ranks this endpoint serves (one node's, under MPI); the others are not mapped
+        self.peers = list(range(self.size)) if peers is None else sorted(peers)
+        self._inboxes: list[_Inbox] = []
+        self._used = 0  # bytes of the newest inbox claimed in the current step
+        self._mapped: dict[tuple[int, bytes], Any] = {}  # (peer, handle) -> opened inbox
+        self._event = space.new_event()
+        self._peer_events = self._exchange_events()
+
+    def _exchange_events(self) -> list[Any]:
+        """Every rank's event handle, opened (None for this rank's own)."""
+        mine = _words(self.access.export_event(self._event))
+        handles = [np.empty(_HANDLE_WORDS, np.int64) for _ in range(self.size)]
+        requests = []
+        for peer in self.peers:
+            if peer != self.rank:
+                requests.append(self.credits.irecv(handles[peer], peer, 0))
+                requests.append(self.credits.isend(mine, peer, 0))
+        self.credits.waitall(requests)
+        return [
+            self.access.open_event(handles[peer].tobytes())
+            if peer in self.peers and peer != self.rank
+            else None
+            for peer in range(self.size)
+        ]
+
+    # -- the two-sided interface
+
+    def isend(self, buf: Any, peer: int, tag: int) -> _Outgoing:
+        request = _Outgoing(buf, peer, tag)
+        request.credit_request = self.credits.irecv(request.credit, peer, tag)
+        return request
+
+    def irecv(
+        self, buf: Any, peer: int, tag: int, combine: Callable[[Any], None] | None = None
+    ) -> _Incoming:
+        inbox, offset = self._claim(buf.nbytes)
+        request = _Incoming(buf, peer, tag, inbox, offset, combine)
+        self.space.record(self._event)  # the slot's earlier readers, before its next writer
+        request.credit[:_HANDLE_WORDS] = _words(inbox.handle)
+        request.credit[_HANDLE_WORDS:] = (inbox.capacity, offset, buf.nbytes)
+        request.credit_request = self.credits.isend(request.credit, peer, tag)
+        request.notice_request = self.notices.irecv(request.notice, peer, tag)
+        return request
+
+    def waitall(self, requests: list) -> None:
+        outgoing = [r for r in requests if isinstance(r, _Outgoing)]
+        incoming = [r for r in requests if isinstance(r, _Incoming)]
+        for r in outgoing:  # every credit was sent before its sender waited: no cycle
+            self.credits.waitall([r.credit_request])
+            self._write(r)
+        for r in incoming:
+            self.notices.waitall([r.notice_request])
+            self._deliver(r)
+        self.credits.waitall([r.credit_request for r in incoming])
+        self.notices.waitall([r.notice_request for r in outgoing])
+        self._used = 0  # the step is over; its slots are free once the event says so
+
+    def sendrecv(self, send: Any, dst: int, recv: Any, src: int, tag: int) -> None:
+        self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
+
+    # -- the protocol's steps
+
+    def _claim(self, nbytes: int) -> tuple[_Inbox, int]:
+        """A slot of ``nbytes`` (16-byte aligned, for the vector kernels) in the inbox."""
+        offset = -(-self._used // 16) * 16
+        if not self._inboxes or offset + nbytes > self._inboxes[-1].capacity:
+            # Grow: peers may hold the old inbox open, so it is kept (not freed) until close.
+            least = max(nbytes, 2 * (self._inboxes[-1].capacity if self._inboxes else 0))
+            allocation = self.space.allocate(least)
+            self._inboxes.append(
+                _Inbox(allocation, self.access.export(allocation), self.space.capacity(allocation))
+            )
+            offset = 0
+        self._used = offset + nbytes
+        return self._inboxes[-1], offset
+
+    def _write(self, r: _Outgoing) -> None:
+        credit = r.credit
+        handle = credit[:_HANDLE_WORDS].tobytes()
+        capacity, offset, nbytes = (int(v) for v in credit[_HANDLE_WORDS:])
+        if nbytes != r.buf.nbytes:
+            raise ValueError(
+                f"rank {self.rank} sends {r.buf.nbytes} bytes to rank {r.peer}, which expects "
+                f"{nbytes} (tag {r.tag}); the ranks disagree on counts"
+            )
+        key = (r.peer, handle)
+        inbox = self._mapped.get(key)
+        if inbox is None:
+            inbox = self._mapped[key] = self.access.open(handle, capacity)
+        target = self.space.view(inbox, offset, r.buf.size, r.buf.dtype)
+        self.space.wait(self._peer_events[r.peer])  # the slot's previous reads are done
+        self.space.copy(target, r.buf.reshape(-1))
+        self.space.record(self._event)
+        r.notice_request = self.notices.isend(np.array([nbytes], np.int64), r.peer, r.tag)
+
+    def _deliver(self, r: _Incoming) -> None:
+        incoming = self.space.view(r.inbox.allocation, r.offset, r.buf.size, r.buf.dtype)
+        self.space.wait(self._peer_events[r.peer])  # the sender's copy into the slot is done
+        if r.combine is None:
+            self.space.copy(r.buf, incoming.reshape(r.buf.shape))
+        else:
+            r.combine(incoming)
+        r.delivered = True
+
+    def close(self) -> None:
+        """Unmap peers' inboxes; the caller then synchronises the group before peers free
+        theirs (an inbox must outlive every mapping of it)."""
+        for opened in self._mapped.values():
+            self.access.close(opened)
+        self._mapped.clear()
+        for event in self._peer_events:
+            if event is not None:
+                self.access.close_event(event)
+        self._peer_events = []
+
+    def release(self) -> None:
+        """Free this rank's inboxes: only after every peer has closed its mappings."""
+        self._inboxes.clear()

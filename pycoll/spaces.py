@@ -1,0 +1,227 @@
+"""Memory spaces: where a collective's arrays live and what the executor may do to them.
+
+A space answers, for one kind of array: allocate, copy, reduce (the kernels), order work on a
+stream, and, for device spaces, the pieces the device transports need (registered exchange
+memory, events, staging to the host). ``HOST`` is numpy, synchronous, stream-less. ``CUDA`` is
+CuPy: every operation is enqueued on the current stream (``with stream:``) and returns before
+the GPU runs it, so a collective on CuPy arrays is ordered on its stream like any CuPy call.
+
+The API picks the space from the array's type (:func:`space_of`). Other spaces can be
+registered (the tests register a stand-in device whose streams run work lazily, in a random
+valid order, so that a missing event wait shows up as a wrong result without a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from pycoll import kernels
+from pycoll.kernels import ReduceOp
+
+# Registered exchange memory is allocated in these units: cudaMalloc may sub-allocate smaller
+# requests, and an IPC handle then exposes the whole block (see the GPU notes).
+EXCHANGE_GRANULE = 2 << 20
+
+
+class Space(Protocol):
+    name: str
+
+    def owns(self, x: object) -> bool: ...
+    def empty(self, shape: Any, dtype: Any) -> Any: ...
+    def copy(self, dst: Any, src: Any) -> None: ...
+    def may_share_memory(self, a: Any, b: Any) -> bool: ...
+    def shares_memory(self, a: Any, b: Any) -> bool: ...
+    def address(self, x: Any) -> int: ...
+    def reducer(self, op: ReduceOp, dtype: np.dtype) -> Callable[..., None]: ...
+    def finish(self, work: Any, op: ReduceOp, nranks: int) -> None: ...
+    def using(self, stream: Any) -> contextlib.AbstractContextManager: ...
+
+
+class HostSpace:
+    """numpy arrays in this process's memory: every operation completes before it returns."""
+
+    name = "host"
+    is_device = False
+
+    def owns(self, x: object) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        dst[...] = src
+
+    may_share_memory = staticmethod(np.may_share_memory)
+    shares_memory = staticmethod(np.shares_memory)
+
+    def address(self, x: np.ndarray) -> int:
+        return x.__array_interface__["data"][0]
+
+    def reducer(self, op: ReduceOp, dtype: np.dtype) -> Callable[..., None]:
+        return kernels.reducer(op, dtype)
+
+    def finish(self, work: np.ndarray, op: ReduceOp, nranks: int) -> None:
+        kernels.finish(work, op, nranks)
+
+    def using(self, stream: Any) -> contextlib.AbstractContextManager:
+        if stream is not None:
+            raise ValueError(
+                f"stream={stream!r} was given for numpy arrays; allowed: None "
+                "(streams order device arrays only)"
+            )
+        return contextlib.nullcontext()
+
+
+class CudaSpace:
+    """CuPy arrays on the current device; work is enqueued on CuPy's current stream."""
+
+    name = "cuda"
+    is_device = True
+
+    def owns(self, x: object) -> bool:
+        cupy = sys.modules.get("cupy")  # an array of a module never imported cannot be here
+        return cupy is not None and isinstance(x, cupy.ndarray)
+
+    @property
+    def _cupy(self) -> Any:
+        import cupy
+
+        return cupy
+
+    def empty(self, shape: Any, dtype: Any) -> Any:
+        return self._cupy.empty(shape, dtype)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        if dst.nbytes:
+            dst.data.copy_from_device_async(src.data, src.nbytes, self.current_stream())
+
+    def may_share_memory(self, a: Any, b: Any) -> bool:
+        return bool(self._cupy.may_share_memory(a, b))
+
+    def shares_memory(self, a: Any, b: Any) -> bool:
+        return bool(self._cupy.shares_memory(a, b))
+
+    def address(self, x: Any) -> int:
+        return int(x.data.ptr)
+
+    def reducer(self, op: ReduceOp, dtype: np.dtype) -> Callable[..., None]:
+        return _gpu_kernels().reducer(op, dtype)
+
+    def finish(self, work: Any, op: ReduceOp, nranks: int) -> None:
+        _gpu_kernels().finish(work, op, nranks)
+
+    def current_stream(self) -> Any:
+        return self._cupy.cuda.get_current_stream()
+
+    @contextlib.contextmanager
+    def using(self, stream: Any) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        if not isinstance(stream, self._cupy.cuda.Stream | self._cupy.cuda.ExternalStream):
+            raise TypeError(f"stream={stream!r} is not a cupy.cuda.Stream; allowed: one, or None")
+        with stream:
+            yield
+
+    def synchronize(self) -> None:
+        self.current_stream().synchronize()
+
+    # -- what the device transports need
+
+    @property
+    def ipc_access(self) -> Any:
+        """What maps other processes' inboxes and events on this node: CUDA IPC."""
+        from pycoll.bindings.cuda_ipc import CudaIpcAccess
+
+        return CudaIpcAccess
+
+    def allocate(self, nbytes: int) -> Any:
+        """Registered exchange memory: a direct cudaMalloc outside CuPy's pool, so that its
+        IPC handle names exactly this buffer (a pool chunk may sit inside a larger block)."""
+        return self._cupy.cuda.Memory(_round_up(max(nbytes, 1), EXCHANGE_GRANULE))
+
+    def capacity(self, allocation: Any) -> int:
+        return int(allocation.size)
+
+    def view(self, allocation: Any, offset: int, count: int, dtype: np.dtype) -> Any:
+        cupy = self._cupy
+        return cupy.ndarray((count,), dtype, cupy.cuda.MemoryPointer(allocation, offset))
+
+    def new_event(self) -> Any:
+        return self._cupy.cuda.Event(disable_timing=True, interprocess=True)
+
+    def record(self, event: Any) -> None:
+        event.record(self.current_stream())
+
+    def wait(self, event: Any) -> None:
+        """Order the current stream after ``event``'s latest record (an Event, or the raw
+        handle that opening an IPC event gives)."""
+        pointer = event if isinstance(event, int) else event.ptr
+        self._cupy.cuda.runtime.streamWaitEvent(self.current_stream().ptr, pointer, 0)
+
+    def record_new_event(self) -> Any:
+        """A fresh event recorded on the current stream, for the host to wait on."""
+        event = self._cupy.cuda.Event(disable_timing=True)
+        event.record(self.current_stream())
+        return event
+
+    def wait_host(self, event: Any) -> None:
+        event.synchronize()
+
+    def host_buffer(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """Page-locked host memory, so device copies to and from it run asynchronously."""
+        import cupyx
+
+        return cupyx.empty_pinned((count,), dtype)
+
+    def to_host(self, dst: np.ndarray, src: Any) -> None:
+        src.get(stream=self.current_stream(), out=dst, blocking=False)
+
+    def to_device(self, dst: Any, src: np.ndarray) -> None:
+        dst.set(src, stream=self.current_stream())
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+_kernels: Any = None
+
+
+def _gpu_kernels() -> Any:
+    global _kernels
+    if _kernels is None:
+        from pycoll.kernels.device import gpu_kernels
+
+        _kernels = gpu_kernels()  # launches on the current stream at each call
+    return _kernels
+
+
+HOST = HostSpace()
+CUDA = CudaSpace()
+_device_spaces: list[Any] = [CUDA]
+
+
+def register(space: Any) -> None:
+    """Let the collectives accept ``space``'s arrays (checked before numpy's)."""
+    if space not in _device_spaces:
+        _device_spaces.insert(0, space)
+
+
+def unregister(space: Any) -> None:
+    if space in _device_spaces:
+        _device_spaces.remove(space)
+
+
+def space_of(x: object) -> Any:
+    """The space of array ``x``, or None when no space owns it."""
+    for space in _device_spaces:
+        if space.owns(x):
+            return space
+    return HOST if HOST.owns(x) else None

@@ -1,0 +1,294 @@
+"""A stand-in device for checking the GPU path's protocol without a GPU.
+
+Memory is host memory (``DeviceArray``, a numpy subclass, so that pycoll routes it to this
+space), but every operation on it is *enqueued* on the calling thread's current stream, as on
+a GPU, and runs only when the host waits for it (a stream synchronisation, or an event's
+host wait). Then the operations it depends on run in a random order that respects stream
+order and event waits, and nothing else. So a missing event wait reads stale or poisoned
+data, and a buffer reused before its reader ran gets overwritten first with fair odds: the
+result is wrong, and the test sees it.
+
+``FakeIpcAccess`` keeps CUDA IPC's rules: a rank cannot open its own handle, every open is
+counted, and freeing memory that a peer still has open is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from pycoll import kernels
+
+POISON = 0xA5  # fresh device memory holds this byte, never zeros
+
+
+class DeviceArray(np.ndarray):
+    """An array in fake device memory; read it on the host only after synchronising."""
+
+
+def device_array(host: np.ndarray) -> DeviceArray:
+    """A copy of ``host`` in fake device memory (ready at once, like a finished upload)."""
+    return np.ascontiguousarray(host).copy().view(DeviceArray)
+
+
+def host_array(x: DeviceArray) -> np.ndarray:
+    return np.asarray(x).view(np.ndarray).copy()
+
+
+class _Op:
+    __slots__ = ("fn", "deps", "done", "label")
+
+    def __init__(self, fn, deps, label):
+        self.fn, self.deps, self.done, self.label = fn, deps, False, label
+
+
+class FakeStream:
+    def __init__(self, name: str):
+        self.name = name
+        self.last: _Op | None = None
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.name})"
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.op: _Op | None = None  # the stream position of the latest record
+        self.destroyed = False
+
+
+class FakeAllocation:
+    def __init__(self, nbytes: int, owner: int | None):
+        self.buffer = np.full(nbytes, POISON, np.uint8)
+        self.owner = owner
+        self.freed = False
+
+
+class FakeIpcAccess:
+    """One rank's CUDA-IPC-like access to a world's shared handle registry."""
+
+    def __init__(self, registry: dict, rank: int, lock: threading.Lock):
+        self.registry, self.rank, self.lock = registry, rank, lock
+
+    def _export(self, thing: Any) -> bytes:
+        with self.lock:
+            handle = len(self.registry).to_bytes(8, "little") + b"fake-ipc".ljust(56, b"\0")
+            self.registry[handle] = {"thing": thing, "exporter": self.rank, "opens": 0}
+            return handle
+
+    def _open(self, handle: bytes) -> Any:
+        with self.lock:
+            entry = self.registry[handle]
+            if entry["exporter"] == self.rank:
+                raise RuntimeError("invalid device context: a process cannot open its own handle")
+            entry["opens"] += 1
+            return entry["thing"]
+
+    def export(self, allocation: FakeAllocation) -> bytes:
+        return self._export(allocation)
+
+    def open(self, handle: bytes, capacity: int) -> FakeAllocation:
+        allocation = self._open(handle)
+        if capacity != allocation.buffer.size:
+            raise ValueError(f"capacity {capacity} != {allocation.buffer.size}")
+        if allocation.freed:
+            raise RuntimeError("opened an allocation its owner freed")
+        return allocation
+
+    def close(self, opened: FakeAllocation) -> None:
+        with self.lock:
+            for entry in self.registry.values():
+                if entry["thing"] is opened:
+                    entry["opens"] -= 1
+
+    export_event = _export
+
+    def open_event(self, handle: bytes) -> FakeEvent:
+        return self._open(handle)
+
+    def close_event(self, opened: FakeEvent) -> None:
+        self.close(opened)
+
+    def open_count(self, thing: Any) -> int:
+        with self.lock:
+            return sum(e["opens"] for e in self.registry.values() if e["thing"] is thing)
+
+
+class FakeDevice:
+    """The space pycoll sees (``name``, ``owns``, ``empty``, ``copy``, events, ...)."""
+
+    is_device = True
+    ipc_access = None  # one process: under MPI only the staged transport applies
+
+    def __init__(self, seed: int = 0, name: str = "fake"):
+        self.name = name
+        self._lock = threading.RLock()
+        self._rng = random.Random(seed)
+        self._local = threading.local()
+        self._streams: list[FakeStream] = []
+        self.operations = 0
+        self.allocations: list[FakeAllocation] = []
+
+    # -- streams
+
+    def new_stream(self, name: str = "stream") -> FakeStream:
+        stream = FakeStream(name)
+        with self._lock:
+            self._streams.append(stream)
+        return stream
+
+    def current_stream(self) -> FakeStream:
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = self.new_stream(threading.current_thread().name)
+        return stream
+
+    @contextlib.contextmanager
+    def using(self, stream: Any) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        if not isinstance(stream, FakeStream):
+            raise TypeError(f"stream={stream!r} is not a FakeStream")
+        saved = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = saved
+
+    def _enqueue(self, fn, label: str, after: _Op | None = None) -> None:
+        with self._lock:
+            stream = self.current_stream()
+            deps = [op for op in (stream.last, after) if op is not None and not op.done]
+            stream.last = _Op(fn, deps, f"{stream.name}:{label}")
+
+    def _run_until(self, target: _Op | None) -> None:
+        with self._lock:
+            pending, stack = [], [target] if target is not None else []
+            seen: set[int] = set()
+            while stack:
+                op = stack.pop()
+                if op.done or id(op) in seen:
+                    continue
+                seen.add(id(op))
+                pending.append(op)
+                stack.extend(op.deps)
+            while pending:
+                ready = [op for op in pending if all(d.done for d in op.deps)]
+                op = self._rng.choice(ready)
+                pending.remove(op)
+                if op.fn is not None:
+                    op.fn()
+                    self.operations += 1
+                op.done = True
+                op.deps = []
+
+    def synchronize(self) -> None:
+        self._run_until(self.current_stream().last)
+
+    def synchronize_all(self) -> None:
+        for stream in list(self._streams):
+            self._run_until(stream.last)
+
+    # -- arrays
+
+    def owns(self, x: object) -> bool:
+        return isinstance(x, DeviceArray)
+
+    def empty(self, shape: Any, dtype: Any) -> DeviceArray:
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        raw = np.full(count * dtype.itemsize, POISON, np.uint8)
+        return raw.view(dtype).reshape(shape).view(DeviceArray)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        def run() -> None:
+            np.copyto(np.asarray(dst), np.asarray(src).reshape(np.shape(dst)), casting="no")
+
+        self._enqueue(run, "copy")
+
+    may_share_memory = staticmethod(np.may_share_memory)
+    shares_memory = staticmethod(np.shares_memory)
+
+    def address(self, x: Any) -> int:
+        return x.__array_interface__["data"][0]
+
+    def reducer(self, op: Any, dtype: Any):
+        host = kernels.reducer(op, np.dtype(dtype))
+
+        def reduce(dst: Any, src: Any, first: Any = None) -> None:
+            def run() -> None:
+                also = None if first is None else np.asarray(first)
+                with np.errstate(all="ignore"):
+                    host(np.asarray(dst), np.asarray(src), also)
+
+            self._enqueue(run, "reduce")
+
+        return reduce
+
+    def finish(self, work: Any, op: Any, nranks: int) -> None:
+        kernels.finish(np.empty(0, work.dtype), op, nranks)  # validate now, as a launch would
+        host = np.asarray(work).view(np.ndarray)
+        self._enqueue(lambda: kernels.finish(host, op, nranks), "finish")
+
+    # -- what the device transports need
+
+    def allocate(self, nbytes: int) -> FakeAllocation:
+        allocation = FakeAllocation(-(-max(nbytes, 1) // 4096) * 4096, owner=None)  # pages
+        self.allocations.append(allocation)
+        return allocation
+
+    def capacity(self, allocation: FakeAllocation) -> int:
+        return allocation.buffer.size
+
+    def view(self, allocation: FakeAllocation, offset: int, count: int, dtype: Any) -> DeviceArray:
+        if allocation.freed:
+            raise RuntimeError("view of freed memory")
+        dtype = np.dtype(dtype)
+        raw = allocation.buffer[offset : offset + count * dtype.itemsize]
+        if raw.size != count * dtype.itemsize:
+            raise ValueError(f"slot [{offset}, +{count * dtype.itemsize}) beyond the allocation")
+        return raw.view(dtype).view(DeviceArray)
+
+    def new_event(self) -> FakeEvent:
+        return FakeEvent()
+
+    def record(self, event: FakeEvent) -> None:
+        with self._lock:
+            event.op = self.current_stream().last
+
+    def wait(self, event: FakeEvent) -> None:
+        with self._lock:
+            if event.destroyed:
+                raise RuntimeError("wait on a destroyed event")
+            self._enqueue(None, "wait", after=event.op)
+
+    def record_new_event(self) -> FakeEvent:
+        event = FakeEvent()
+        self.record(event)
+        return event
+
+    def wait_host(self, event: FakeEvent) -> None:
+        self._run_until(event.op)
+
+    def host_buffer(self, count: int, dtype: Any) -> np.ndarray:
+        return np.full(count * np.dtype(dtype).itemsize, POISON, np.uint8).view(dtype)
+
+    def to_host(self, dst: np.ndarray, src: Any) -> None:
+        self.copy(dst, src)
+
+    def to_device(self, dst: Any, src: np.ndarray) -> None:
+        self.copy(dst, src)
+
+    # -- in-process worlds map memory with CUDA IPC's rules
+
+    def peer_access_for(self, shared: dict, rank: int) -> FakeIpcAccess:
+        registry = shared.setdefault(("fake ipc registry", self.name), {})
+        lock = shared.setdefault(("fake ipc lock", self.name), threading.Lock())
+        return FakeIpcAccess(registry, rank, lock)

@@ -1,0 +1,329 @@
+"""The device path (the API on device arrays, the executor, and the device transports: peer
+memory as CUDA IPC runs it, staged MPI, and routes mixing them) on a stand-in device whose
+streams run lazily in a random valid order (tests/fake_device.py), against the oracle.
+
+What CUDA itself does is checked on a GPU (tests/test_kernels_cuda.py, bench/gpu_check.sh);
+here it is the protocol: handles, credits and notices, which stream waits on which event,
+and reusing an inbox only after its readers ran.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import ALL_DTYPES, exact_input, ops_for
+from fake_device import FakeDevice, FakeStream, device_array, host_array
+
+import pycoll
+from pycoll import oracle, spaces
+from pycoll.algorithms import families_for
+from pycoll.bindings import peer_memory
+from pycoll.schedule import Collective
+
+MODES = {  # PYCOLL_DEVICE_TRANSPORT, PYCOLL_RANKS_PER_NODE
+    "peer-memory": ("auto", ""),
+    "staged": ("staged", ""),
+    "routed": ("auto", "2"),
+}
+RANKS = [1, 2, 3, 5]
+
+
+def sizes(nranks: int) -> list[int]:
+    return sorted({0, 1, nranks + 1, 13, 1000})
+
+
+@pytest.fixture(params=list(MODES))
+def device(request, monkeypatch):
+    mode, per_node = MODES[request.param]
+    monkeypatch.setenv("PYCOLL_DEVICE_TRANSPORT", mode)
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", per_node)
+    fake = FakeDevice(seed=hash(request.node.name) % 1000)
+    spaces.register(fake)
+    yield fake
+    spaces.unregister(fake)
+
+
+def on_device(device, nranks, fn):
+    """Run ``fn(rank)`` (returning device arrays or None) on in-process ranks; each rank
+    synchronises its stream before the host reads the results."""
+
+    def body():
+        rank = pycoll.world().rank
+        result = fn(rank)
+        device.synchronize()
+        return None if result is None else host_array(result)
+
+    return pycoll.run_local(nranks, body)
+
+
+def cases(collective):
+    return [
+        (algorithm, n, count)
+        for algorithm in families_for(collective)
+        for n in RANKS
+        for count in sizes(n)
+    ]
+
+
+def pick(index, reducing=True):
+    dtype = ALL_DTYPES[index % len(ALL_DTYPES)]
+    ops = ops_for(dtype)
+    return dtype, (ops[(index // len(ALL_DTYPES)) % len(ops)] if reducing else None)
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.ALLREDUCE))
+def test_allreduce(device, algorithm, nranks, count):
+    index = nranks * 7 + count
+    dtype, op = pick(index)
+    inputs = [exact_input(r, count, dtype, op, index) for r in range(nranks)]
+    results = on_device(
+        device, nranks,
+        lambda r: pycoll.allreduce(device_array(inputs[r]), op, algorithm=algorithm),
+    )
+    expected = oracle.allreduce(inputs, op)
+    for result in results:
+        np.testing.assert_array_equal(result, expected)
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.REDUCE_SCATTER))
+def test_reduce_scatter_with_uneven_counts(device, algorithm, nranks, count):
+    index = nranks * 5 + count
+    dtype, op = pick(index)
+    counts = [count // nranks + (1 if r < count % nranks else 0) for r in range(nranks)]
+    inputs = [exact_input(r, count, dtype, op, index) for r in range(nranks)]
+    results = on_device(
+        device, nranks,
+        lambda r: pycoll.reduce_scatter(
+            device_array(inputs[r]), op, counts=counts, algorithm=algorithm
+        ),
+    )
+    expected = oracle.reduce_scatter(inputs, op, counts)
+    for rank, result in enumerate(results):
+        np.testing.assert_array_equal(result, expected[rank])
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.ALLGATHER))
+def test_allgather(device, algorithm, nranks, count):
+    dtype, _ = pick(count, reducing=False)
+    inputs = [exact_input(r, count, dtype, "sum") for r in range(nranks)]
+    results = on_device(
+        device, nranks, lambda r: pycoll.allgather(device_array(inputs[r]), algorithm=algorithm)
+    )
+    for result in results:
+        np.testing.assert_array_equal(result, oracle.allgather(inputs))
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.BROADCAST))
+def test_broadcast(device, algorithm, nranks, count):
+    root = nranks - 1
+    inputs = [exact_input(r, count, np.dtype(np.int32), "sum") for r in range(nranks)]
+    results = on_device(
+        device, nranks,
+        lambda r: pycoll.broadcast(device_array(inputs[r]), root, algorithm=algorithm),
+    )
+    for result in results:
+        np.testing.assert_array_equal(result, oracle.broadcast(inputs, root))
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.REDUCE))
+def test_reduce(device, algorithm, nranks, count):
+    root = nranks // 2
+    inputs = [exact_input(r, count, np.dtype(np.int64), "max") for r in range(nranks)]
+    results = on_device(
+        device, nranks,
+        lambda r: pycoll.reduce(device_array(inputs[r]), "max", root, algorithm=algorithm),
+    )
+    np.testing.assert_array_equal(results[root], oracle.reduce(inputs, "max", root))
+    assert all(result is None for rank, result in enumerate(results) if rank != root)
+
+
+@pytest.mark.parametrize("nranks", RANKS)
+def test_alltoall_alltoallv_and_send_recv(device, nranks):
+    inputs = [np.arange(nranks * 3, dtype=np.float32) + 100 * r for r in range(nranks)]
+    sends = [[(r + j) % 3 for j in range(nranks)] for r in range(nranks)]
+
+    def body(rank):
+        everyone = pycoll.alltoall(device_array(inputs[rank]))
+        varied = pycoll.alltoallv(device_array(inputs[rank][: sum(sends[rank])]), sends[rank])
+        ring = device_array(np.full(4, -1.0, np.float32))
+        mine = device_array(np.full(4, rank, np.float32))
+        for turn in (rank % 2, 1 - rank % 2) if nranks > 1 else ():  # sends block: alternate
+            if turn == 0:
+                pycoll.send(mine, (rank + 1) % nranks, tag=3)
+            else:
+                pycoll.recv(ring, (rank - 1) % nranks, tag=3)
+        device.synchronize()
+        return np.concatenate([host_array(a) for a in (everyone, varied, ring)])
+
+    results = pycoll.run_local(nranks, lambda: body(pycoll.world().rank))
+    arrivals = oracle.alltoall(inputs)
+    pieces = [inputs[r][: sum(sends[r])] for r in range(nranks)]
+    varied = oracle.alltoallv(pieces, sends)
+    for rank, result in enumerate(results):
+        ring = np.full(4, (rank - 1) % nranks if nranks > 1 else -1.0, np.float32)
+        np.testing.assert_array_equal(result, np.concatenate([arrivals[rank], varied[rank], ring]))
+
+
+def test_in_place_and_on_an_explicit_stream(device):
+    """out=x in place, on a stream of the caller's: the result is ready when that stream is,
+    and the thread's default stream was not used."""
+    inputs = [exact_input(r, 50, np.dtype(np.int16), "sum") for r in range(3)]
+
+    def body(rank):
+        stream = device.new_stream(f"user-{rank}")
+        x = device_array(inputs[rank])
+        with device.using(stream):  # the arrays' own uploads are ready at once
+            pass
+        pycoll.allreduce(x, out=x, algorithm="ring", stream=stream)
+        pycoll.allreduce(x, "avg", out=x, algorithm="direct", stream=stream)
+        assert device.current_stream().last is None  # nothing went to the default stream
+        with device.using(stream):
+            device.synchronize()
+        return host_array(x)
+
+    results = pycoll.run_local(3, lambda: body(pycoll.world().rank))
+    expected = oracle.allreduce([oracle.allreduce(inputs, "sum")] * 3, "avg")
+    for result in results:
+        np.testing.assert_array_equal(result, expected)
+
+
+def test_stream_for_numpy_arrays_is_an_error():
+    with pytest.raises(ValueError, match="stream=.*numpy arrays; allowed: None"):
+        pycoll.allreduce(np.ones(3), stream=object())
+
+
+def test_out_in_another_memory_is_an_error(device):
+    def body():
+        with pytest.raises(TypeError, match="out is a ndarray but x is a DeviceArray"):
+            pycoll.allreduce(device_array(np.ones(3)), out=np.empty(3))
+        return True
+
+    assert pycoll.run_local(2, body) == [True, True]
+
+
+def test_bad_device_transport_names_the_variable(device, monkeypatch):
+    monkeypatch.setenv("PYCOLL_DEVICE_TRANSPORT", "nvlink")
+    with pytest.raises(ValueError, match="PYCOLL_DEVICE_TRANSPORT='nvlink' is invalid; allowed"):
+        pycoll.run_local(2, lambda: pycoll.allreduce(device_array(np.ones(3))))
+
+
+def test_forcing_peer_memory_across_nodes_is_an_error(device, monkeypatch):
+    monkeypatch.setenv("PYCOLL_DEVICE_TRANSPORT", "ipc")
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", "1")
+    with pytest.raises(ValueError, match="ipc but the ranks span 2 nodes"):
+        pycoll.run_local(2, lambda: pycoll.allreduce(device_array(np.ones(3))))
+
+
+# --- the peer-memory protocol itself ------------------------------------------------------
+
+
+def _many_allreduces(device, nranks, sizes_in_order, algorithm="ring"):
+    inputs = {n: [np.arange(n, dtype=np.int64) * (r + 1) for r in range(nranks)]
+              for n in sizes_in_order}
+
+    def body(rank):
+        outs = [pycoll.allreduce(device_array(inputs[n][rank]), algorithm=algorithm)
+                for n in sizes_in_order]
+        device.synchronize()
+        return [host_array(o) for o in outs], pycoll.world()
+
+    results = pycoll.run_local(nranks, lambda: body(pycoll.world().rank))
+    for i, n in enumerate(sizes_in_order):
+        expected = oracle.allreduce(inputs[n], "sum")
+        for outs, _ in results:
+            np.testing.assert_array_equal(outs[i], expected)
+    return [comm for _, comm in results]
+
+
+@pytest.fixture
+def peer_device(monkeypatch):
+    monkeypatch.setenv("PYCOLL_DEVICE_TRANSPORT", "auto")
+    monkeypatch.delenv("PYCOLL_RANKS_PER_NODE", raising=False)
+    fake = FakeDevice(seed=7)
+    spaces.register(fake)
+    yield fake
+    spaces.unregister(fake)
+
+
+def test_inboxes_grow_and_outgrown_ones_stay_alive(peer_device):
+    comms = _many_allreduces(peer_device, 3, [10, 100_000, 20, 300_000, 5])
+    for comm in comms:
+        transport = comm.device_transport(peer_device)
+        sizes_seen = [inbox.capacity for inbox in transport._inboxes]
+        assert len(sizes_seen) >= 2 and sizes_seen == sorted(sizes_seen)
+        assert not any(inbox.allocation.freed for inbox in transport._inboxes)
+
+
+def test_handles_are_opened_once_per_inbox_and_closed_on_close(peer_device):
+    comms = _many_allreduces(peer_device, 3, [64] * 6)
+    for comm in comms:
+        transport = comm.device_transport(peer_device)
+        # each inbox opened at most once by each of the 2 peers, however many calls used it
+        opens = [transport.access.open_count(inbox.allocation) for inbox in transport._inboxes]
+        assert 1 <= opens[-1] and all(count <= 2 for count in opens), opens
+    for comm in comms:
+        comm.device_transport(peer_device).close()
+    for comm in comms:
+        transport = comm.device_transport(peer_device)
+        assert all(transport.access.open_count(i.allocation) == 0 for i in transport._inboxes)
+
+
+def test_a_rank_never_opens_its_own_handle(peer_device):
+    comms = _many_allreduces(peer_device, 2, [16])
+    transport = comms[0].device_transport(peer_device)
+    handle = transport._inboxes[0].handle
+    with pytest.raises(RuntimeError, match="cannot open its own handle"):
+        transport.access.open(handle, transport._inboxes[0].capacity)
+
+
+@pytest.mark.parametrize("removed", ["data-ready wait", "slot-free wait"])
+def test_the_stand_in_catches_a_missing_event_wait(removed, monkeypatch, peer_device):
+    """Guard for this file: drop either wait of the protocol and results go wrong."""
+    original_wait = peer_device.wait
+    skip_in = "_deliver" if removed == "data-ready wait" else "_write"
+
+    def wait_unless_called_from(event):
+        import inspect
+
+        if inspect.stack()[1].function != skip_in:
+            original_wait(event)
+
+    monkeypatch.setattr(peer_device, "wait", wait_unless_called_from)
+    with pytest.raises(AssertionError):
+        for seed in range(5):
+            peer_device._rng.seed(seed)
+            _many_allreduces(peer_device, 4, [1000, 999, 1000, 37], algorithm="ring")
+
+
+def test_counts_that_disagree_between_peers_are_reported(peer_device):
+    def body():
+        rank = pycoll.world().rank
+        transport = pycoll.world().device_transport(peer_device)
+        data = device_array(np.zeros(4 if rank == 0 else 5, np.int32))
+        if rank == 0:
+            transport.waitall([transport.isend(data, 1, 9)])
+        else:
+            transport.waitall([transport.irecv(data, 0, 9)])
+
+    with pytest.raises((ValueError, pycoll.PeerFailed), match="disagree on counts|failed"):
+        pycoll.run_local(2, body)
+
+
+def test_slots_are_16_byte_aligned():
+    fake = FakeDevice()
+    credits = type("Host", (), {"rank": 0, "size": 1, "waitall": lambda self, requests: None})()
+    transport = peer_memory.PeerMemoryTransport(
+        fake, peer_memory.SameProcessAccess(), credits, credits
+    )
+    offsets = [transport._claim(n)[1] for n in (3, 5, 16, 1)]
+    assert offsets == [0, 16, 32, 48]
+
+
+def test_stand_in_streams_run_nothing_until_synchronised():
+    fake = FakeDevice()
+    x = device_array(np.zeros(4))
+    fake.copy(x, device_array(np.ones(4)))
+    assert x.sum() == 0  # enqueued, not run
+    fake.synchronize()
+    assert x.sum() == 4
+    assert isinstance(fake.new_stream(), FakeStream)
