@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Everything pycoll checks on an NVIDIA GPU, in one call of well under 8 minutes, on a machine
-# that may have no network: the GPU tests, then the kernels' bandwidth. Results go to $OUT
-# (the device tool's folder) or bench/results/gpu-raw.
-#   bash bench/gpu_check.sh
+# that may have no network: the GPU tests, the kernels' bandwidth, then AllReduce,
+# ReduceScatter and AllGather at 2 and 4 MPI ranks sharing the GPU through CUDA IPC, every
+# algorithm, with --check. Results go to $OUT (the device tool's folder) or
+# bench/results/gpu-raw.
+#   bash bench/fetch_wheels.sh   # here, with network: mpi4py + mpich wheels into .whl/
+#   bash bench/gpu_check.sh      # there
 # Wheels that the machine lacks travel with the tree in .whl/ (see the device notes).
 set -uo pipefail
 out=${OUT:-bench/results/gpu-raw}
@@ -21,16 +24,25 @@ export PYTHONUNBUFFERED=1
 # pycoll itself, without touching the network or the machine's own packages; python -P
 # keeps the source folder from shadowing the installed package (kernels/ maps to pycoll.kernels).
 site=$(mktemp -d)
+prefix=$(mktemp -d)  # wheels go to a prefix: the mpich wheel's libmpi lands in $prefix/lib
 if ls .whl/*.whl >/dev/null 2>&1; then
-  "$python" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+  "$python" -m pip install -q --no-index --no-deps --no-compile --ignore-installed \
+    --prefix "$prefix" .whl/*.whl
 fi
 "$python" -m pip install -q --no-index --no-deps --no-build-isolation --target "$site" . \
   || { echo "could not install pycoll into $site" | tee -a "$out/environment.txt"; exit 1; }
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+wheels=$("$python" -c "import sysconfig; print(sysconfig.get_path('purelib', \
+  vars={'base': '$prefix', 'platbase': '$prefix'}))")
+export PYTHONPATH="$site:$wheels${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$prefix/bin:$PATH"  # mpiexec from the mpich wheel
+export LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONSAFEPATH=1  # every python, MPI ranks too: the source tree must not shadow pycoll
+{ command -v mpiexec; "$python" -c "from mpi4py import MPI; print(MPI.Get_library_version()[:40])"; \
+  } 2>&1 | tee -a "$out/environment.txt"
 
 # 1. The GPU tests (they skip only where no GPU is found; here none should skip).
 timeout 240 "$python" -P -m pytest -q -rs -p no:cacheprovider tests/test_kernels_cuda.py \
-  2>&1 | tee "$out/gpu-tests.txt"
+  tests/test_gpu_collectives.py 2>&1 | tee "$out/gpu-tests.txt"
 tests_status=${PIPESTATUS[0]}
 
 # 2. Each kernel's bandwidth (bytes read + written) against device copy and CuPy's add.
@@ -38,8 +50,20 @@ timeout 200 "$python" -P -m pycoll bench kernels -b 1M -e 1G -f 4 -d float32,bfl
   --backend cupy,numba --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt"
 bench_status=${PIPESTATUS[0]}
 
-# 3. Multi-rank collectives over CUDA IPC: not built yet (issue 4, item 2).
-echo "collectives over CUDA IPC: not built yet" | tee "$out/collectives.txt"
+# 3. Collectives between MPI ranks sharing the GPU over CUDA IPC, every algorithm, checked.
+collectives_status=0
+: > "$out/collectives.txt"
+for ranks in 2 4; do
+  for collective in allreduce reduce_scatter allgather; do
+    timeout 60 mpiexec -n "$ranks" "$python" -P -m pycoll bench "$collective" --device cuda \
+      --algorithm all -b 64K -e 64M -f 4 -n 10 -w 3 --check 1 \
+      --json "$out/$collective-$ranks.json" 2>&1 | tee -a "$out/collectives.txt"
+    status=${PIPESTATUS[0]}
+    echo "# $collective on $ranks ranks: exit $status" | tee -a "$out/collectives.txt"
+    [ "$status" -eq 0 ] || collectives_status=$status
+  done
+done
 
-echo "gpu tests exit $tests_status, kernel bench exit $bench_status" | tee "$out/summary.txt"
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]
+echo "gpu tests exit $tests_status, kernel bench exit $bench_status," \
+  "collectives exit $collectives_status" | tee "$out/summary.txt"
+[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$collectives_status" -eq 0 ]

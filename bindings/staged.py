@@ -52,10 +52,10 @@ class StagedTransport:
     delivers = True
 
     def __init__(self, space: Any, host: Any, cuda_aware: bool = False,
-                 piece_bytes: int = PIECE_BYTES):
+                 piece_bytes: int | None = None):
         self.space, self.host, self.cuda_aware = space, host, cuda_aware
         self.rank, self.size = host.rank, host.size
-        self.piece_bytes = piece_bytes
+        self.piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
 
     def _pieces(self, n: int, itemsize: int) -> list[tuple[int, int]]:
         step = max(1, self.piece_bytes // itemsize)

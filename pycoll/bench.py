@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -40,6 +41,7 @@ COLLECTIVES = {
     "alltoall": Collective.ALLTOALL,
 }
 CHECK_CHUNK = 1 << 20  # elements of the oracle computed at a time, to bound its memory
+DEVICES = ("host", "cuda")
 
 
 def bus_factor(collective: Collective, nranks: int) -> float:
@@ -106,6 +108,7 @@ class Options:
     root: int = 0
     algorithms: tuple[str, ...] = ("auto",)
     against: str | None = None
+    device: str = "host"  # host: numpy arrays; cuda: CuPy arrays on this rank's GPU
 
 
 def validate(options: Options) -> Collective:
@@ -126,6 +129,10 @@ def validate(options: Options) -> Collective:
                 f"--algorithm {algorithm!r} has no {collective.value} schedule; allowed: auto, "
                 + ", ".join(allowed)
             )
+    if options.device not in DEVICES:
+        raise ValueError(f"--device={options.device!r}; allowed: {', '.join(DEVICES)}")
+    if options.against == "mpi" and options.device != "host":
+        raise ValueError("--against mpi times host arrays only; allowed with --device host")
     if options.against not in (None, "mpi"):
         raise ValueError(f"--against={options.against!r}; allowed: mpi")
     if options.against == "mpi" and (
@@ -175,14 +182,22 @@ class _Case:
         self.count = count
         in_count = count // p if collective is Collective.ALLGATHER else count
         out_count = count // p if collective is Collective.REDUCE_SCATTER else count
-        self.x = np.zeros(in_count, dtype)
-        self.out = np.zeros(out_count, dtype)
+        self.memory = _Memory(options.device, comm)
+        self.x = self.memory.zeros(in_count, dtype)
+        self.out = self.memory.zeros(out_count, dtype)
 
     def fill_for_check(self) -> None:
-        self.x[...] = _check_values(self.comm.rank, 0, self.x.size, self.op, self.dtype,
-                                    self.collective)
+        self.x[...] = self.memory.upload(
+            _check_values(self.comm.rank, 0, self.x.size, self.op, self.dtype, self.collective)
+        )
 
     def call(self, algorithm: str) -> None:
+        """One collective, complete: on a device, until this rank's stream has run it."""
+        with self.memory.on_stream():
+            self._call(algorithm)
+        self.memory.synchronize()
+
+    def _call(self, algorithm: str) -> None:
         c, x, out, kw = self.collective, self.x, self.out, {"algorithm": algorithm}
         if c is Collective.ALLREDUCE:
             pycoll.allreduce(x, self.op, out=out, comm=self.comm, **kw)
@@ -228,7 +243,7 @@ class _Case:
         for start in range(0, total, CHECK_CHUNK):
             stop = min(start + CHECK_CHUNK, total)
             want = self._expected(start, stop, p, rank)
-            wrong += int(np.count_nonzero(result[start:stop] != want))
+            wrong += int(np.count_nonzero(self.memory.download(result[start:stop]) != want))
         return wrong
 
     def _expected(self, start: int, stop: int, p: int, rank: int) -> np.ndarray:
@@ -253,6 +268,59 @@ class _Case:
             base = rank * shard if c is Collective.ALLTOALL else 0
             parts.append(values(source, base + lo - source * shard, base + hi - source * shard))
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+class _Memory:
+    """Where a benchmark's buffers live: numpy, or CuPy on the GPU of this rank's node-local
+    index (ranks beyond the GPU count share GPUs), each rank with a stream of its own."""
+
+    def __init__(self, device: str, comm: Communicator):
+        self.device = device
+        if device == "host":
+            return
+        try:
+            import cupy
+
+            devices = cupy.cuda.runtime.getDeviceCount()
+        except Exception as error:  # noqa: BLE001 - ImportError, or CUDA's own errors
+            raise RuntimeError(
+                f"--device cuda needs CuPy and an NVIDIA GPU (pip install -e '.[gpu]'): {error}"
+            ) from error
+        self.cupy = cupy
+        local = 0
+        if comm.mpi_comm is not None:
+            from mpi4py import MPI
+
+            node = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+            local = node.Get_rank()
+            node.Free()
+        cupy.cuda.Device(local % devices).use()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def zeros(self, count: int, dtype: np.dtype):
+        if self.device == "host":
+            return np.zeros(count, dtype)
+        with self.stream:
+            return self.cupy.zeros(count, dtype)
+
+    def upload(self, values: np.ndarray):
+        if self.device == "host":
+            return values
+        with self.stream:
+            return self.cupy.asarray(values)
+
+    def download(self, x) -> np.ndarray:
+        if self.device == "host":
+            return x
+        self.stream.synchronize()
+        return x.get()
+
+    def on_stream(self):
+        return contextlib.nullcontext() if self.device == "host" else self.stream
+
+    def synchronize(self) -> None:
+        if self.device != "host":
+            self.stream.synchronize()
 
 
 def _check_values(rank: int, start: int, stop: int, op: str, dtype: np.dtype,

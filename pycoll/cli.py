@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="comma-separated families and/or auto, or 'all'")
     bench.add_argument("--against", choices=["mpi"], help="also time mpi4py's native collective")
     bench.add_argument("--ranks", type=int, help="in-process ranks (default: the MPI job)")
+    bench.add_argument("--device", default="host", choices=["host", "cuda"],
+                       help="host: numpy arrays; cuda: CuPy arrays on the GPU (default host)")
     bench.add_argument("--backend", default="cupy,numba",
                        help="kernels only: comma-separated GPU kernel backends")
     bench.add_argument("--json", metavar="PATH", help="write rows as JSON ('-' for stdout)")
@@ -97,6 +99,7 @@ def _bench(args: argparse.Namespace) -> int:
             root=args.root,
             algorithms=tuple(names),
             against=args.against,
+            device=args.device,
         )
         bench.validate(options)
         if args.ranks is not None:
@@ -110,7 +113,7 @@ def _bench(args: argparse.Namespace) -> int:
             comm = pycoll.world()
             rows = bench.run(options, comm, bench.progress_bar)
             rank, size, where = comm.rank, comm.size, "MPI" if comm.mpi_comm else "in-process"
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, RuntimeError) as error:
         print(f"pycoll bench: {error}", file=sys.stderr)
         return 2
     if rank == 0:

@@ -76,6 +76,21 @@ class Communicator:
             self._device_transports[key] = transport
         return transport
 
+    def free_device_buffers(self) -> None:
+        """Unmap peers' device buffers, wait for every rank to do the same, then free this
+        rank's own (memory must outlive every mapping of it). Collective: every rank calls it;
+        the next device collective makes new buffers."""
+        transports = self._device_transports
+        self._device_transports = {}
+        endpoints = [t for transport in transports.values() for t in _endpoints(transport)]
+        for endpoint in endpoints:
+            endpoint.close()
+        from pycoll.api import barrier
+
+        barrier(self)
+        for endpoint in endpoints:
+            endpoint.release()
+
     def _in_process_device_transport(self, space: Any, p2p: bool) -> Any:
         from pycoll.bindings.staged import StagedTransport
 
@@ -184,6 +199,13 @@ def _route(
     if len(local) == 1:
         return between
     return RoutedTransport([within if node == nodes[rank] else between for node in nodes])
+
+
+def _endpoints(transport: Any) -> list[Any]:
+    """The peer-memory endpoints in ``transport`` (itself, or behind a router)."""
+    inside = getattr(transport, "routes", [transport])
+    unique = {id(t): t for t in inside if isinstance(t, PeerMemoryTransport)}
+    return list(unique.values())
 
 
 def _mpi_device_transport(mpi_comm: Any, space: Any) -> Any:

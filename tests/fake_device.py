@@ -30,6 +30,9 @@ POISON = 0xA5  # fresh device memory holds this byte, never zeros
 class DeviceArray(np.ndarray):
     """An array in fake device memory; read it on the host only after synchronising."""
 
+    def get(self) -> np.ndarray:  # as cupy.ndarray.get, minus the synchronisation
+        return host_array(self)
+
 
 def device_array(host: np.ndarray) -> DeviceArray:
     """A copy of ``host`` in fake device memory (ready at once, like a finished upload)."""
@@ -48,9 +51,12 @@ class _Op:
 
 
 class FakeStream:
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, device: FakeDevice):
+        self.name, self.device = name, device
         self.last: _Op | None = None
+
+    def synchronize(self) -> None:
+        self.device._run_until(self.last)
 
     def __repr__(self) -> str:
         return f"FakeStream({self.name})"
@@ -137,7 +143,7 @@ class FakeDevice:
     # -- streams
 
     def new_stream(self, name: str = "stream") -> FakeStream:
-        stream = FakeStream(name)
+        stream = FakeStream(name, self)
         with self._lock:
             self._streams.append(stream)
         return stream

@@ -63,6 +63,7 @@ def test_in_process_sweep_checks_every_size(collective, capsys, tmp_path):
     (["--ranks", "2", "-o", "mean"], "op='mean' is not a reduction"),
     (["--ranks", "2", "-d", "bool"], "dtype='bool' is not supported"),
     (["nonsense", "--ranks", "2"], "collective='nonsense' is unknown"),
+    (["--device", "cuda", "--against", "mpi"], "--against mpi times host arrays only"),
 ])
 def test_bad_options_are_named(args, message, capsys):
     assert main(["bench", *args]) == 2
@@ -90,6 +91,15 @@ def test_kernel_bench_says_plainly_when_there_is_no_gpu(capsys):
         pytest.skip("a GPU is present: the measuring test below runs instead")
     assert main(["bench", "kernels", "-b", "1M", "-e", "1M"]) == 2
     assert "needs a CUDA GPU and CuPy; none found" in capsys.readouterr().err
+
+
+def test_device_bench_says_plainly_when_there_is_no_gpu(capsys):
+    from pycoll import bench_kernels
+
+    if bench_kernels.gpu_available():
+        pytest.skip("a GPU is present: bench/gpu_check.sh runs --device cuda there")
+    assert main(["bench", "--ranks", "2", "--device", "cuda", "-e", "1K"]) == 2
+    assert "--device cuda needs CuPy and an NVIDIA GPU" in capsys.readouterr().err
 
 
 def test_kernel_bench_measures_every_kernel_on_a_gpu(capsys):

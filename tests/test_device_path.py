@@ -17,7 +17,7 @@ from fake_device import FakeDevice, FakeStream, device_array, host_array
 import pycoll
 from pycoll import oracle, spaces
 from pycoll.algorithms import families_for
-from pycoll.bindings import peer_memory
+from pycoll.bindings import peer_memory, staged
 from pycoll.schedule import Collective
 
 MODES = {  # PYCOLL_DEVICE_TRANSPORT, PYCOLL_RANKS_PER_NODE
@@ -37,6 +37,7 @@ def device(request, monkeypatch):
     mode, per_node = MODES[request.param]
     monkeypatch.setenv("PYCOLL_DEVICE_TRANSPORT", mode)
     monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", per_node)
+    monkeypatch.setattr(staged, "PIECE_BYTES", 1000)  # messages of 1000 elements: pieces
     fake = FakeDevice(seed=hash(request.node.name) % 1000)
     spaces.register(fake)
     yield fake
@@ -266,6 +267,28 @@ def test_handles_are_opened_once_per_inbox_and_closed_on_close(peer_device):
     for comm in comms:
         transport = comm.device_transport(peer_device)
         assert all(transport.access.open_count(i.allocation) == 0 for i in transport._inboxes)
+
+
+def test_freeing_device_buffers_unmaps_everywhere_before_anyone_frees(peer_device):
+    def body():
+        comm = pycoll.world()
+        for n in (5000, 70):
+            pycoll.allreduce(device_array(np.ones(n, np.int32)), algorithm="ring")
+        transport = comm.device_transport(peer_device)
+        mine = list(transport._inboxes)
+        opened_before = [transport.access.open_count(i.allocation) for i in mine]
+        pycoll.barrier()  # every rank counted before any unmaps
+        comm.free_device_buffers()
+        opened_after = [transport.access.open_count(i.allocation) for i in mine]
+        again = pycoll.allreduce(device_array(np.ones(9, np.int32)))  # new buffers
+        peer_device.synchronize()
+        return opened_before, opened_after, transport._inboxes, host_array(again), comm
+
+    results = pycoll.run_local(3, body)
+    for before, after, kept, again, comm in results:
+        assert sum(before) >= 1 and after == [0] * len(after) and kept == []
+        np.testing.assert_array_equal(again, np.full(9, 3))
+        assert comm.device_transport(peer_device)._inboxes  # the new endpoint's
 
 
 def test_a_rank_never_opens_its_own_handle(peer_device):

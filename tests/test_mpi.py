@@ -30,12 +30,16 @@ def launch(nranks: int, *args: str, timeout: float = 240) -> subprocess.Complete
     )
 
 
-@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 5])
-def test_every_collective_under_mpiexec(nranks):
-    done = launch(nranks, "-m", "mpi4py", str(HERE / "collectives.py"))
+@pytest.mark.parametrize("script,summary,nranks", [
+    *[("collectives.py", "mpi collectives", n) for n in (1, 2, 3, 4, 5)],
+    # device arrays between processes: the staged MPI transport, a stand-in device each
+    *[("device.py", "device collectives", n) for n in (1, 2, 3, 5)],
+])
+def test_every_collective_under_mpiexec(script, summary, nranks):
+    done = launch(nranks, "-m", "mpi4py", str(HERE / script))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert f"mpi collectives on {nranks} ranks:" in output
+    assert f"{summary} on {nranks} ranks:" in output
     assert ", 0 failed" in output
 
 

@@ -1,0 +1,97 @@
+"""Collectives on CuPy arrays on a real GPU: in-process ranks (threads sharing the GPU, each
+on a stream of its own) and MPI ranks over CUDA IPC, against the oracle.
+
+These need an NVIDIA GPU and CuPy; without them each test skips with the reason "no CUDA GPU"
+(bench/gpu_check.sh runs them on a GPU machine). The same protocol runs here, without a GPU,
+on the stand-in device of tests/test_device_path.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import exact_input
+from test_mpi import HERE, launch
+
+import pycoll
+from pycoll import oracle
+from pycoll.algorithms import families_for
+from pycoll.bench import COLLECTIVES
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no CuPy, no driver, no device
+        return 0
+
+
+needs_gpu = pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA GPU")
+DTYPES = ["float32", "int32", "bfloat16", "float16", "int8", "float64"]
+
+
+def _on_gpu(nranks, fn):
+    import cupy
+
+    def body():
+        rank = pycoll.world().rank
+        stream = cupy.cuda.Stream(non_blocking=True)
+        result = fn(rank, stream)
+        stream.synchronize()
+        return None if result is None else result.get()
+
+    return pycoll.run_local(nranks, body)
+
+
+@needs_gpu
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather"])
+def test_in_process_collectives_on_cupy_arrays(collective, nranks):
+    import cupy
+    import numpy as np
+
+    kind = COLLECTIVES[collective]
+    for index, count in enumerate([0, 1, nranks + 1, 1000, 1 << 20]):
+        dtype = np.dtype(pycoll.kernels.check_dtype(DTYPES[index % len(DTYPES)]))
+        op = ["sum", "max", "min", "avg", "prod"][index % 5] if collective != "allgather" else None
+        inputs = [exact_input(r, count, dtype, op or "sum", index) for r in range(nranks)]
+        counts = [count // nranks + (r < count % nranks) for r in range(nranks)]
+        for algorithm in families_for(kind):
+            def call(rank, stream, algorithm=algorithm, inputs=inputs, op=op, counts=counts):
+                x = cupy.asarray(inputs[rank])
+                if collective == "allreduce":
+                    return pycoll.allreduce(x, op, algorithm=algorithm, stream=stream)
+                if collective == "reduce_scatter":
+                    return pycoll.reduce_scatter(
+                        x, op, counts=counts, algorithm=algorithm, stream=stream
+                    )
+                return pycoll.allgather(x, algorithm=algorithm, stream=stream)
+
+            results = _on_gpu(nranks, call)
+            for rank, got in enumerate(results):
+                if collective == "allreduce":
+                    want = oracle.allreduce(inputs, op)
+                elif collective == "reduce_scatter":
+                    want = oracle.reduce_scatter(inputs, op, counts)[rank]
+                else:
+                    want = oracle.allgather(inputs)
+                np.testing.assert_array_equal(got, want, err_msg=f"{algorithm} {count} {dtype}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_mpi_ranks_over_cuda_ipc(nranks):
+    done = launch(nranks, "-m", "mpi4py", str(HERE / "device.py"), "cuda")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert ", 0 failed" in output
+
+
+@needs_gpu
+def test_mpi_ranks_staged_through_the_host(monkeypatch):
+    monkeypatch.setenv("PYCOLL_DEVICE_TRANSPORT", "staged")
+    done = launch(2, "-m", "mpi4py", str(HERE / "device.py"), "cuda")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert ", 0 failed" in output
