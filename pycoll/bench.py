@@ -187,9 +187,11 @@ class _Case:
         self.out = self.memory.zeros(out_count, dtype)
 
     def fill_for_check(self) -> None:
-        self.x[...] = self.memory.upload(
-            _check_values(self.comm.rank, 0, self.x.size, self.op, self.dtype, self.collective)
-        )
+        values = _check_values(self.comm.rank, 0, self.x.size, self.op, self.dtype,
+                               self.collective)
+        with self.memory.on_stream():
+            self.x[...] = self.memory.upload(values)
+        self.memory.synchronize()
 
     def call(self, algorithm: str) -> None:
         """One collective, complete: on a device, until this rank's stream has run it."""

@@ -58,6 +58,14 @@ class FakeStream:
     def synchronize(self) -> None:
         self.device._run_until(self.last)
 
+    def __enter__(self) -> FakeStream:  # `with stream:` as with a CuPy stream
+        self._using = self.device.using(self)
+        self._using.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._using.__exit__(*exc)
+
     def __repr__(self) -> str:
         return f"FakeStream({self.name})"
 

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from test_mpi import mpiexec
 
@@ -100,6 +101,37 @@ def test_device_bench_says_plainly_when_there_is_no_gpu(capsys):
         pytest.skip("a GPU is present: bench/gpu_check.sh runs --device cuda there")
     assert main(["bench", "--ranks", "2", "--device", "cuda", "-e", "1K"]) == 2
     assert "--device cuda needs CuPy and an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_device_bench_runs_end_to_end_on_the_stand_in_device(monkeypatch, capsys):
+    """--device cuda's own code (buffers, streams, upload, check) with a CuPy look-alike
+    whose arrays live on the stand-in device; the GPU run is bench/gpu_check.sh's."""
+    import types
+
+    from fake_device import FakeDevice, device_array
+
+    from pycoll import spaces
+
+    fake = FakeDevice(seed=5)
+    look_alike = types.ModuleType("cupy")
+    look_alike.ndarray = type("NotACupyArray", (), {})
+    look_alike.asarray = device_array
+    look_alike.zeros = lambda n, dtype: device_array(np.zeros(n, dtype))
+    look_alike.cuda = types.SimpleNamespace(
+        Stream=lambda non_blocking: fake.new_stream("bench"),
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+        Device=lambda index: types.SimpleNamespace(use=lambda: None),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", look_alike)
+    spaces.register(fake)
+    try:
+        for collective in ("allreduce", "reduce_scatter", "allgather"):
+            assert main(["bench", collective, "--ranks", "3", "--device", "cuda", "--algorithm",
+                         "all", "-b", "8", "-e", "64K", "-f", "8", "-n", "2", "-w", "1"]) == 0
+    finally:
+        spaces.unregister(fake)
+    out = capsys.readouterr().out
+    assert out.count("# out of bounds values: 0 OK") == 3 and "ring" in out
 
 
 def test_kernel_bench_measures_every_kernel_on_a_gpu(capsys):

@@ -59,7 +59,8 @@ def test_in_process_collectives_on_cupy_arrays(collective, nranks):
         counts = [count // nranks + (r < count % nranks) for r in range(nranks)]
         for algorithm in families_for(kind):
             def call(rank, stream, algorithm=algorithm, inputs=inputs, op=op, counts=counts):
-                x = cupy.asarray(inputs[rank])
+                with stream:  # the upload, ordered before the collective on the same stream
+                    x = cupy.asarray(inputs[rank])
                 if collective == "allreduce":
                     return pycoll.allreduce(x, op, algorithm=algorithm, stream=stream)
                 if collective == "reduce_scatter":
