@@ -1,0 +1,286 @@
+"""The cost of a schedule under a topology, computed from the schedule's own steps.
+
+Nothing here restates an algorithm: :func:`predict` compiles every rank's program exactly as
+the executor does (the same element ranges, the same deferred seed copies, the same dropped
+empty transfers), pairs each send with its receive in posting order, and plays the steps
+under the transports' rendezvous rule: a transfer starts once both ranks have reached the
+steps that hold it, and a rank leaves a step when all of its transfers are done and its
+reductions ran. So a change to a schedule changes its predicted cost with it.
+
+One step of a rank costs (the LogGP-style model of Thakur, Rabenseifner & Gropp 2005)
+
+    alpha + beta * bytes + gamma * reduced bytes
+
+* ``alpha``: per message round (a step's messages to different peers are posted together, so
+  a step pays the largest alpha among its links, once);
+* ``beta``: per byte per link class (``intra`` within a node, ``inter`` between nodes). With
+  ``ports="single"`` (the default: a host's memory bus, a GPU's NVLink port, a node's NIC) a
+  rank's bytes in one direction share one port per link class, so the step moves the larger of
+  the bytes it sends and receives; with ``ports="multi"`` every peer has a link of its own and
+  the largest message counts (the figure some textbook formulas quote);
+* ``gamma``: per reduced byte (the reductions of a step run one after another, after it);
+* ``delta``: per byte copied locally (the seed copies before the first step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from pycoll import algorithms
+from pycoll.execute import Program, compile_program
+from pycoll.schedule import ROOTED, Collective, Layout, Schedule, split
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float  # seconds per message round
+    beta: float  # seconds per byte
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where ranks sit and what their links cost."""
+
+    name: str = "default"
+    intra: Link = Link(20e-6, 1 / 5e9)
+    inter: Link = Link(20e-6, 1 / 5e9)
+    gamma: float = 1 / 5e9  # seconds per reduced byte
+    delta: float = 1 / 10e9  # seconds per locally copied byte
+    ranks_per_node: int = 0  # 0: every rank on one node
+    ports: str = "single"  # "single" or "multi"
+    source: str = "built-in defaults"
+
+    def link(self, a: int, b: int) -> Link:
+        if self.ranks_per_node <= 0 or a // self.ranks_per_node == b // self.ranks_per_node:
+            return self.intra
+        return self.inter
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "") -> Topology:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(
+                f"topology {source or data.get('name', '?')}: unknown keys {sorted(unknown)}; "
+                f"allowed: {sorted(known)}"
+            )
+        values = dict(data)
+        for name in ("intra", "inter"):
+            if name in values and not isinstance(values[name], Link):
+                values[name] = Link(float(values[name]["alpha"]), float(values[name]["beta"]))
+        topology = cls(**values)
+        if topology.ports not in ("single", "multi"):
+            raise ValueError(f"topology ports={topology.ports!r}; allowed: 'single', 'multi'")
+        return replace(topology, source=source or topology.source)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    seconds: float
+    steps: int  # the longest chain of steps on any rank
+    bytes_sent: int  # by the busiest rank
+
+
+@dataclass
+class _Step:
+    alpha: float = 0.0
+    sent: dict = field(default_factory=lambda: defaultdict(int))  # link -> bytes
+    received: dict = field(default_factory=lambda: defaultdict(int))
+    reduced: int = 0
+
+
+def programs(
+    schedule: Schedule, count: int, input_counts: list[int] | None = None
+) -> list[Program]:
+    """Every rank's compiled program for a call of ``count`` elements (WORK), as the API
+    builds it: even blocks of WORK; INPUT the same, or for AllGather one block of
+    ``input_counts[rank]`` elements (that rank's shard)."""
+    work_blocks = split(count, schedule.nblocks)
+    work = Layout(work_blocks, schedule.nsegments)
+    out = []
+    for rank in range(schedule.nranks):
+        if schedule.collective is Collective.ALLGATHER:
+            shard = work_blocks[rank] if input_counts is None else input_counts[rank]
+            source = Layout([shard], schedule.nsegments)
+        else:
+            source = work
+        out.append(compile_program(schedule, rank, source, work))
+    return out
+
+
+def predict(
+    schedule: Schedule, nbytes: int, topology: Topology, itemsize: int = 1
+) -> Prediction:
+    """The predicted time of ``schedule`` on ``nbytes`` of WORK (elements of ``itemsize``)."""
+    count = nbytes // itemsize
+    compiled = programs(schedule, count)
+    return play(compiled, topology, itemsize)
+
+
+def play(compiled: list[Program], topology: Topology, itemsize: int) -> Prediction:
+    """Play compiled programs under the rendezvous rule; the slowest rank's finish."""
+    nranks = len(compiled)
+    steps: list[list[_Step]] = []
+    # Pair the k-th send a->b with the k-th receive at b from a, as the transports do.
+    sends: dict[tuple[int, int], list[int]] = defaultdict(list)
+    receives: dict[tuple[int, int], list[int]] = defaultdict(list)
+    seed_bytes = []
+    most_sent = 0
+    for rank, program in enumerate(compiled):
+        seed_bytes.append(sum(stop - start for start, stop, *_ in program.seeds) * itemsize)
+        mine = []
+        total = 0
+        for index, (incoming, outgoing) in enumerate(program.steps):
+            step = _Step()
+            for r in incoming:
+                link = topology.link(rank, r.peer)
+                size = (r.stop - r.start) * itemsize
+                step.alpha = max(step.alpha, link.alpha)
+                step.received[_key(link, r.peer, topology)] += size
+                if r.scratch >= 0:
+                    step.reduced += size
+                receives[(r.peer, rank)].append(index)
+            for t in outgoing:
+                link = topology.link(rank, t.peer)
+                size = (t.stop - t.start) * itemsize
+                step.alpha = max(step.alpha, link.alpha)
+                step.sent[_key(link, t.peer, topology)] += size
+                total += size
+                sends[(rank, t.peer)].append(index)
+            mine.append(step)
+        steps.append(mine)
+        most_sent = max(most_sent, total)
+    partners: list[list[list[tuple[int, int]]]] = [[[] for _ in s] for s in steps]
+    for (src, dst), indices in sends.items():
+        theirs = receives.get((src, dst), [])
+        if len(theirs) != len(indices):
+            raise ValueError(
+                f"rank {src} sends {len(indices)} messages to rank {dst}, which receives "
+                f"{len(theirs)}; the schedule does not pair"
+            )
+        for i, j in zip(indices, theirs):
+            partners[src][i].append((dst, j))
+            partners[dst][j].append((src, i))
+
+    # finish[r][i + 1]: when rank r left step i; finish[r][0]: its seed copies are done.
+    finish = [[topology.delta * seed_bytes[r]] for r in range(nranks)]
+    pending = list(range(nranks))
+    while pending:
+        advanced = False
+        still = []
+        for rank in pending:
+            while (done := len(finish[rank]) - 1) < len(steps[rank]):
+                ready = [finish[rank][done]]
+                for peer, j in partners[rank][done]:
+                    if len(finish[peer]) <= j:  # the peer has not reached that step yet
+                        break
+                    ready.append(finish[peer][j])
+                else:
+                    finish[rank].append(max(ready) + _cost(steps[rank][done], topology))
+                    advanced = True
+                    continue
+                still.append(rank)
+                break
+        if still and not advanced:
+            raise ValueError("the schedule cannot progress under rendezvous: it would hang")
+        pending = still
+    longest = max(len(s) for s in steps) if steps else 0
+    return Prediction(max(f[-1] for f in finish) if finish else 0.0, longest, most_sent)
+
+
+def _key(link: Link, peer: int, topology: Topology):
+    return (id(link), peer) if topology.ports == "multi" else id(link)
+
+
+def _cost(step: _Step, topology: Topology) -> float:
+    betas = {id(topology.intra): topology.intra.beta, id(topology.inter): topology.inter.beta}
+    moved = 0.0
+    for table in (step.sent, step.received):
+        for key, size in table.items():
+            link = key[0] if isinstance(key, tuple) else key
+            moved = max(moved, betas[link] * size)
+    return step.alpha + moved + topology.gamma * step.reduced
+
+
+# --- every candidate of a call -------------------------------------------------------------
+
+SEGMENT_CHOICES = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    algorithm: str
+    nsegments: int
+    seconds: float
+
+
+def candidates(
+    collective: Collective,
+    nbytes: int,
+    nranks: int,
+    topology: Topology,
+    itemsize: int = 1,
+    root: int = 0,
+    families: list[str] | None = None,
+) -> list[Candidate]:
+    """Every (family, segment count) that serves the call, with its predicted time, fastest
+    first. Segment counts that would cut chunks below one element are skipped."""
+    count = nbytes // itemsize
+    out = []
+    for family in families or algorithms.families_for(collective):
+        for nsegments in SEGMENT_CHOICES:
+            if nsegments > 1 and count < nsegments * nranks:
+                break
+            schedule = algorithms.build(
+                family, collective, nranks, nsegments, root if collective in ROOTED else None
+            )
+            seconds = play(programs(schedule, count), topology, itemsize).seconds
+            out.append(Candidate(family, nsegments, seconds))
+    return sorted(out, key=lambda c: (c.seconds, c.algorithm, c.nsegments))
+
+
+# --- tuning files ---------------------------------------------------------------------------
+
+TUNING_ENV = "PYCOLL_TUNING"
+
+
+def tuning_path() -> Path:
+    """$PYCOLL_TUNING, else the user's cache folder (XDG_CACHE_HOME or ~/.cache)/pycoll."""
+    if os.environ.get(TUNING_ENV):
+        return Path(os.environ[TUNING_ENV])
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "pycoll" / "tuning.json"
+
+
+def load_topology(path: Path | None = None) -> Topology:
+    """The tuned topology of this machine, or the built-in defaults when there is none."""
+    path = tuning_path() if path is None else path
+    if not path.exists():
+        return Topology()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"tuning file {path} is unreadable ({error}); run `pycoll tune` to rewrite it"
+        ) from error
+    return Topology.from_json(data.get("topology", data), source=str(path))
+
+
+def busbw_factor(collective: Collective, nranks: int) -> float:
+    if collective is Collective.ALLREDUCE:
+        return 2 * (nranks - 1) / nranks
+    if collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL):
+        return (nranks - 1) / nranks
+    return 1.0
+
+
+def log2_ceil(p: int) -> int:
+    return max(0, math.ceil(math.log2(p))) if p > 1 else 0

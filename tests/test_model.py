@@ -1,0 +1,177 @@
+"""The cost model, played from the schedules' own steps, against the textbook formulas.
+
+alpha, beta and gamma are chosen far apart (1, 1e-3, 1e-4 per message, byte, reduced byte)
+so that a wrong count of rounds, bytes or reductions cannot hide in another term; sizes divide
+evenly so the formulas are exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pycoll import algorithms, model
+from pycoll.schedule import Collective
+
+A, B, G = 1.0, 1e-3, 1e-4
+SINGLE = model.Topology(intra=model.Link(A, B), inter=model.Link(A, B), gamma=G, delta=0.0)
+MULTI = model.Topology(
+    intra=model.Link(A, B), inter=model.Link(A, B), gamma=G, delta=0.0, ports="multi"
+)
+RANKS = list(range(2, 65))
+SOME = [2, 3, 4, 5, 7, 8, 11, 13, 16, 17, 24, 31, 32, 33, 47, 63, 64]  # every kind of p
+POWERS = [2, 4, 8, 16, 32, 64]
+
+
+def seconds(family, collective, p, n, topology=SINGLE, segments=1, root=0):
+    rooted = collective in (Collective.BROADCAST, Collective.REDUCE)
+    schedule = algorithms.build(family, collective, p, segments, root if rooted else None)
+    return model.predict(schedule, n, topology).seconds
+
+
+def size(p, segments=1):
+    return p * segments * 240  # divides into every block and segment
+
+
+@pytest.mark.parametrize("p", RANKS)
+def test_ring_allreduce(p):
+    n = size(p)
+    want = 2 * (p - 1) * A + 2 * (p - 1) / p * n * B + (p - 1) / p * n * G
+    assert seconds("ring", Collective.ALLREDUCE, p, n) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("p", SOME)
+@pytest.mark.parametrize("segments", [1, 4])
+def test_ring_reduce_scatter_and_allgather(p, segments):
+    n = size(p, segments)
+    rs = segments * (p - 1) * A + (p - 1) / p * n * (B + G)
+    ag = segments * (p - 1) * A + (p - 1) / p * n * B
+    got_rs = seconds("ring", Collective.REDUCE_SCATTER, p, n, segments=segments)
+    got_ag = seconds("ring", Collective.ALLGATHER, p, n, segments=segments)
+    assert got_rs == pytest.approx(rs, rel=1e-12)
+    assert got_ag == pytest.approx(ag, rel=1e-12)
+
+
+@pytest.mark.parametrize("p", POWERS)
+def test_rabenseifner_and_recursive_halving_doubling(p):
+    n, lg = size(p), int(math.log2(p))
+    allreduce = 2 * lg * A + 2 * (p - 1) / p * n * B + (p - 1) / p * n * G
+    halving = lg * A + (p - 1) / p * n * (B + G)
+    doubling = lg * A + (p - 1) / p * n * B
+    family = "halving_doubling"
+    assert seconds(family, Collective.ALLREDUCE, p, n) == pytest.approx(allreduce, rel=1e-12)
+    assert seconds(family, Collective.REDUCE_SCATTER, p, n) == pytest.approx(halving, rel=1e-12)
+    assert seconds(family, Collective.ALLGATHER, p, n) == pytest.approx(doubling, rel=1e-12)
+
+
+@pytest.mark.parametrize("p", [p for p in SOME if p not in POWERS])
+def test_halving_doubling_folds_other_rank_counts_within_its_bound(p):
+    """Two fold rounds and uneven halving rounds: the module's stated upper bound."""
+    n = size(p)
+    low = 2 ** int(math.log2(p))
+    lg, rem = int(math.log2(low)), p - low
+    extra = sum(min(d, rem) for d in (low >> k for k in range(1, lg + 1)))
+    bound = (lg + 2) * A + (p + low - 1 + extra) / p * n * (B + G)
+    power = lg * A + (p - 1) / p * n * (B + G)
+    got = seconds("halving_doubling", Collective.REDUCE_SCATTER, p, n)
+    assert power < got <= bound * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("p", SOME)
+def test_binomial_broadcast_and_reduce(p):
+    n, lg = size(p), math.ceil(math.log2(p))
+    for root in sorted({0, p // 2, p - 1}):
+        got_b = seconds("tree", Collective.BROADCAST, p, n, root=root)
+        got_r = seconds("tree", Collective.REDUCE, p, n, root=root)
+        assert got_b == pytest.approx(lg * (A + n * B), rel=1e-12)
+        assert got_r == pytest.approx(lg * (A + n * B + n * G), rel=1e-12)
+
+
+@pytest.mark.parametrize("p", SOME[::2])
+@pytest.mark.parametrize("segments", [2, 8])
+def test_pipelined_binomial_broadcast_with_a_link_per_peer(p, segments):
+    n, lg = size(p, segments), math.ceil(math.log2(p))
+    want = (lg + segments - 1) * (A + n / segments * B)
+    got = seconds("tree", Collective.BROADCAST, p, n, MULTI, segments)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("p", SOME)
+def test_direct_schedules(p):
+    n = size(p)
+    assert seconds("direct", Collective.ALLREDUCE, p, n) == pytest.approx(
+        A + (p - 1) * n * (B + G), rel=1e-12
+    )
+    assert seconds("direct", Collective.REDUCE_SCATTER, p, n) == pytest.approx(
+        A + (p - 1) / p * n * (B + G), rel=1e-12
+    )
+    assert seconds("direct", Collective.ALLGATHER, p, n) == pytest.approx(
+        A + (p - 1) / p * n * B, rel=1e-12
+    )
+
+
+@pytest.mark.parametrize("p", SOME[::2])
+@pytest.mark.parametrize("segments", [1, 4, 16])
+def test_pipelined_double_binary_tree_between_its_bounds(p, segments):
+    """Serialized links: at most (2H+S-1)(alpha + 2n/S beta) + (H+S-1) n/S gamma (the tree
+    module's bound); at least the round count's alphas plus the busiest rank's bytes."""
+    n, h = size(p, 2 * segments), math.ceil(math.log2(p))
+    got = seconds("tree", Collective.ALLREDUCE, p, n, segments=segments)
+    bound = (2 * h + segments - 1) * (A + 2 * n / segments * B) + (h + segments - 1) * (
+        n / segments * G
+    )
+    rounds = 2 * h + segments - 1 if p > 2 else segments + 1
+    assert got <= bound * (1 + 1e-12)
+    assert got >= rounds * A + 2 * (p - 1) / p * n * B
+
+
+def test_tree_beats_ring_on_latency_and_ring_wins_on_bandwidth():
+    p = 64
+    small, large = size(p), size(p) * 4096
+    fast = model.Topology(intra=model.Link(1e-5, 1e-10), gamma=1e-11, delta=0.0)
+    assert seconds("tree", Collective.ALLREDUCE, p, small, fast) < seconds(
+        "ring", Collective.ALLREDUCE, p, small, fast
+    )
+    assert seconds("ring", Collective.ALLREDUCE, p, large, fast) < seconds(
+        "tree", Collective.ALLREDUCE, p, large, fast
+    )
+
+
+def test_links_between_nodes_cost_their_own_class():
+    slow = model.Topology(
+        intra=model.Link(A, B), inter=model.Link(10 * A, 10 * B), gamma=G, delta=0.0,
+        ranks_per_node=2,
+    )
+    n, p = size(4), 4
+    within = seconds("ring", Collective.ALLREDUCE, 2, size(2), slow)
+    across = seconds("ring", Collective.ALLREDUCE, p, n, slow)
+    # every ring step of 4 ranks on 2 nodes waits for a link between nodes
+    assert across == pytest.approx(2 * (p - 1) * 10 * A + 2 * (p - 1) / p * n * 10 * B
+                                   + (p - 1) / p * n * G, rel=1e-12)
+    assert within == pytest.approx(2 * A + size(2) * B + size(2) / 2 * G, rel=1e-12)
+
+
+def test_seed_copies_cost_delta_per_byte():
+    copying = model.Topology(intra=model.Link(0.0, 0.0), gamma=0.0, delta=1.0)
+    # ring AllReduce copies only the block each rank sends first; AllGather its own shard
+    assert seconds("ring", Collective.ALLREDUCE, 4, 400, copying) == 100
+    assert seconds("ring", Collective.ALLGATHER, 4, 400, copying) == 100
+
+
+def test_candidates_are_sorted_and_cover_every_family():
+    found = model.candidates(Collective.ALLREDUCE, 1 << 20, 4, model.Topology())
+    assert [c.seconds for c in found] == sorted(c.seconds for c in found)
+    assert {c.algorithm for c in found} == set(algorithms.families_for(Collective.ALLREDUCE))
+
+
+def test_topology_files_round_trip_and_reject_unknown_keys(tmp_path):
+    topology = model.Topology(name="x", ranks_per_node=8, ports="multi")
+    again = model.Topology.from_json(topology.to_json(), source="file")
+    assert again == model.Topology(name="x", ranks_per_node=8, ports="multi", source="file")
+    with pytest.raises(ValueError, match="unknown keys \\['speed'\\]"):
+        model.Topology.from_json({"speed": 1})
+    path = tmp_path / "bad.json"
+    path.write_text("{")
+    with pytest.raises(ValueError, match="unreadable"):
+        model.load_topology(path)
