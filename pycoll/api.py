@@ -9,6 +9,7 @@ read as flat sequences of elements; the sharded collectives split along the firs
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -236,6 +237,39 @@ def recv(
     return out
 
 
+def plan(
+    collective: str | Collective,
+    nbytes: int,
+    comm: Communicator | None = None,
+    *,
+    algorithm: str = "auto",
+    dtype: Any = "float32",
+    root: int = 0,
+    device: bool = False,
+) -> select.Plan:
+    """What a call of ``collective`` on ``nbytes`` would run on ``comm``: the algorithm and
+    segment count chosen, why, and every candidate's predicted time (seconds, fastest first).
+
+    ``device=True`` plans for device (CuPy) arrays. Every rank may call it on its own.
+    """
+    comm = _comm(comm)
+    valid = {c.value: c for c in Collective if c is not Collective.SENDRECV}
+    kind = valid.get(collective.value if isinstance(collective, Collective) else collective)
+    if kind is None:
+        raise ValueError(f"plan: collective={collective!r} is unknown; allowed: {', '.join(valid)}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int | np.integer) or nbytes < 0:
+        raise ValueError(f"plan: nbytes={nbytes!r} is invalid; allowed: an int >= 0")
+    dtype = check_dtype(dtype)
+    if kind is Collective.ALLTOALL and algorithm == "auto":
+        algorithm = "direct"
+    from pycoll import spaces
+
+    space = spaces.CUDA if device else spaces.HOST
+    return select.plan_for(kind, int(nbytes), comm.size, algorithm,
+                           select.topology_for(comm, space), dtype.itemsize,
+                           _root(root, comm, "plan"))
+
+
 def barrier(comm: Communicator | None = None) -> None:
     """Return only once every rank of ``comm`` has entered the barrier."""
     allreduce(np.zeros(1, np.int8), comm=_comm(comm), algorithm="direct")
@@ -400,11 +434,13 @@ def _run(
     """
     space = space_of(x)
     key = (collective, algorithm, x.dtype, x.size, op, root, peer, input_blocks, blocks,
-           nbytes, space, select.FORCED_SEGMENTS, select.SEGMENT_BYTES)  # segments may be forced
+           nbytes, space, select.FORCED_SEGMENTS, os.environ.get(select.ALGO_ENV))
     prepared = comm.prepared.get(key)
     if prepared is None:
         prepared = _prepare(comm, key)
-    schedule, program, reduce = prepared
+    schedule, program, reduce, plan = prepared
+    if select.DEBUG:
+        select.report(plan, comm.rank)
     source = x if x.ndim == 1 else x.reshape(-1)
     target = work if work.ndim == 1 else work.reshape(-1)
     if comm.rank in schedule.input_read_late and space.shares_memory(source, target):
@@ -426,7 +462,12 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm={algorithm!r} is not a name; allowed: 'auto' or a family name")
     nbytes = size * dtype.itemsize if nbytes is None else nbytes
-    plan = select.plan_for(collective, nbytes, comm.size, algorithm)
+    if collective is Collective.SENDRECV:  # one schedule; nothing to choose
+        plan = select.Plan(collective, nbytes, comm.size, "direct", 1, 0.0, "point to point")
+    else:
+        topology = select.topology_for(comm, space)
+        plan = select.plan_for(collective, nbytes, comm.size, algorithm, topology,
+                               dtype.itemsize, root)
     schedule = algorithms.build(plan.algorithm, collective, comm.size, plan.nsegments, root, peer)
     work_blocks = tuple(split(size, schedule.nblocks)) if blocks is None else blocks
     input_blocks = work_blocks if input_blocks is None else input_blocks
@@ -439,7 +480,7 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
     reduce = space.reducer(op, dtype) if op is not None else _no_reduction
     if len(comm.prepared) >= PREPARED_CALLS:  # a long size sweep: start over rather than grow
         comm.prepared.clear()
-    comm.prepared[key] = prepared = (schedule, program, reduce)
+    comm.prepared[key] = prepared = (schedule, program, reduce, plan)
     return prepared
 
 

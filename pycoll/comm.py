@@ -57,6 +57,7 @@ class Communicator:
         self._splits = 0
         self.prepared: dict[tuple, tuple] = {}  # per call shape: schedule, program, reducer
         self._device_transports: dict[tuple, Any] = {}
+        self.topologies: dict[str, Any] = {}  # per kind of transport: the costs selection uses
 
     def device_transport(self, space: Any, p2p: bool = False) -> Any:
         """The endpoint that moves ``space``'s (device) arrays, made on first use.

@@ -71,10 +71,13 @@ def compile_program(
     """Resolve ``rank``'s chunks to element ranges, once per (schedule, sizes).
 
     Zero-length transfers drop out (both ends know every size from the same counts, so both
-    drop the same ones). A seed copy is deferred until its chunk is first used: a chunk first
-    reduced into combines INPUT with the incoming data directly (``Receive.fused``), a chunk
-    first overwritten is never copied at all; only chunks first sent, or never touched, are
-    copied before the first step.
+    drop the same ones), and consecutive chunks between the same two ranks in one step travel
+    as one message (``Schedule.joined``: both ends read the grouping from the schedule).
+
+    A seed copy is deferred until its chunk is first used: a chunk first reduced into combines
+    INPUT with the incoming data directly (``Receive.fused``), a chunk first overwritten is
+    never copied at all; only chunks first sent, or never touched, are copied before the first
+    step.
     """
     pending = {w: input_layout.chunk_range(i) for i, w in seeded_chunks(schedule, rank)}
     seeds: list[tuple[int, int, int, int]] = []
@@ -85,28 +88,64 @@ def compile_program(
 
     steps = []
     most = 0
-    for step in schedule.steps[rank]:
-        receives, transmits, used = [], [], 0
+    joined = schedule.joined
+    for index, step in enumerate(schedule.steps[rank]):
+        receives: list[Receive] = []
+        transmits: list[Transmit] = []
+        # peer -> position in receives/transmits of the message that a joining transfer
+        # extends (None: the message's earlier transfers were all empty)
+        open_receive: dict[int, int | None] = {}
+        open_transmit: dict[int, int | None] = {}
         for transfer in step:  # sends read the step's starting state: materialize first
             if isinstance(transfer, Send) and transfer.buffer is Buffer.WORK:
                 materialize(transfer.chunk)
-        for transfer in step:
+        for position, transfer in enumerate(step):
+            joins = (rank, index, position) in joined
+            peer = transfer.peer
             if isinstance(transfer, Recv):
                 start, stop = work_layout.chunk_range(transfer.chunk)
-                fused = pending.pop(transfer.chunk, None)
+                fused = pending.pop(transfer.chunk, None) if transfer.reduce else None
+                if not transfer.reduce:
+                    pending.pop(transfer.chunk, None)  # overwritten: never copied
+                if not joins:
+                    open_receive[peer] = None
                 if stop == start:
                     continue
-                if not transfer.reduce:
-                    receives.append(Receive(transfer.peer, start, stop, -1))
+                scratch = 0 if transfer.reduce else -1  # offsets are given below
+                at = open_receive.get(peer)
+                if at is None:
+                    open_receive[peer] = len(receives)
+                    receives.append(Receive(peer, start, stop, scratch, fused))
                     continue
-                receives.append(Receive(transfer.peer, start, stop, used, fused))
-                used += stop - start
+                before = receives[at]
+                if (before.fused is None) != (fused is None):  # seed the fused one instead
+                    for part, (w0, w1) in ((before.fused, (before.start, before.stop)),
+                                           (fused, (start, stop))):
+                        if part is not None:
+                            seeds.append((*part, w0, w1))
+                    joined_fused = None
+                else:
+                    joined_fused = None if fused is None else (before.fused[0], fused[1])
+                receives[at] = Receive(peer, before.start, stop, scratch, joined_fused)
             else:
                 from_input = transfer.buffer is Buffer.INPUT
                 layout = input_layout if from_input else work_layout
                 start, stop = layout.chunk_range(transfer.chunk)
-                if stop > start:
-                    transmits.append(Transmit(transfer.peer, from_input, start, stop))
+                if not joins:
+                    open_transmit[peer] = None
+                if stop == start:
+                    continue
+                at = open_transmit.get(peer)
+                if at is None:
+                    open_transmit[peer] = len(transmits)
+                    transmits.append(Transmit(peer, from_input, start, stop))
+                else:
+                    transmits[at] = Transmit(peer, from_input, transmits[at].start, stop)
+        used = 0
+        for i, r in enumerate(receives):  # scratch for the reductions, message by message
+            if r.scratch >= 0:
+                receives[i] = Receive(r.peer, r.start, r.stop, used, r.fused)
+                used += r.stop - r.start
         most = max(most, used)
         if receives or transmits:
             steps.append((tuple(receives), tuple(transmits)))

@@ -11,8 +11,8 @@ One step of a rank costs (the LogGP-style model of Thakur, Rabenseifner & Gropp 
 
     alpha + beta * bytes + gamma * reduced bytes
 
-* ``alpha``: per message round (a step's messages to different peers are posted together, so
-  a step pays the largest alpha among its links, once);
+* ``alpha``: per message; a step's messages share the rank's port as its bytes do, so a step
+  pays alpha for each message in its busier direction (with ``ports="multi"``, once);
 * ``beta``: per byte per link class (``intra`` within a node, ``inter`` between nodes). With
   ``ports="single"`` (the default: a host's memory bus, a GPU's NVLink port, a node's NIC) a
   rank's bytes in one direction share one port per link class, so the step moves the larger of
@@ -91,7 +91,9 @@ class Prediction:
 
 @dataclass
 class _Step:
-    alpha: float = 0.0
+    alpha: float = 0.0  # the largest alpha among the step's links
+    messages_out: int = 0
+    messages_in: int = 0
     sent: dict = field(default_factory=lambda: defaultdict(int))  # link -> bytes
     received: dict = field(default_factory=lambda: defaultdict(int))
     reduced: int = 0
@@ -102,17 +104,22 @@ def programs(
 ) -> list[Program]:
     """Every rank's compiled program for a call of ``count`` elements (WORK), as the API
     builds it: even blocks of WORK; INPUT the same, or for AllGather one block of
-    ``input_counts[rank]`` elements (that rank's shard)."""
+    ``input_counts[rank]`` elements (that rank's shard); for AllToAll every rank sends
+    ``count`` elements in even pieces, so rank r receives piece r of every rank."""
     work_blocks = split(count, schedule.nblocks)
     work = Layout(work_blocks, schedule.nsegments)
     out = []
     for rank in range(schedule.nranks):
+        target = work
         if schedule.collective is Collective.ALLGATHER:
             shard = work_blocks[rank] if input_counts is None else input_counts[rank]
             source = Layout([shard], schedule.nsegments)
+        elif schedule.collective is Collective.ALLTOALL:
+            source = work
+            target = Layout([work_blocks[rank]] * schedule.nblocks, schedule.nsegments)
         else:
             source = work
-        out.append(compile_program(schedule, rank, source, work))
+        out.append(compile_program(schedule, rank, source, target))
     return out
 
 
@@ -144,6 +151,7 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
                 link = topology.link(rank, r.peer)
                 size = (r.stop - r.start) * itemsize
                 step.alpha = max(step.alpha, link.alpha)
+                step.messages_in += 1
                 step.received[_key(link, r.peer, topology)] += size
                 if r.scratch >= 0:
                     step.reduced += size
@@ -152,6 +160,7 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
                 link = topology.link(rank, t.peer)
                 size = (t.stop - t.start) * itemsize
                 step.alpha = max(step.alpha, link.alpha)
+                step.messages_out += 1
                 step.sent[_key(link, t.peer, topology)] += size
                 total += size
                 sends[(rank, t.peer)].append(index)
@@ -207,7 +216,8 @@ def _cost(step: _Step, topology: Topology) -> float:
         for key, size in table.items():
             link = key[0] if isinstance(key, tuple) else key
             moved = max(moved, betas[link] * size)
-    return step.alpha + moved + topology.gamma * step.reduced
+    messages = 1 if topology.ports == "multi" else max(step.messages_out, step.messages_in)
+    return step.alpha * messages + moved + topology.gamma * step.reduced
 
 
 # --- every candidate of a call -------------------------------------------------------------
@@ -260,18 +270,35 @@ def tuning_path() -> Path:
     return Path(cache) / "pycoll" / "tuning.json"
 
 
-def load_topology(path: Path | None = None) -> Topology:
-    """The tuned topology of this machine, or the built-in defaults when there is none."""
+def load_tuning(path: Path | None = None) -> dict[str, Topology]:
+    """The tuned topologies of this machine by kind of transport ("local", "mpi", "cuda"),
+    from the tuning file; empty when there is none."""
     path = tuning_path() if path is None else path
     if not path.exists():
-        return Topology()
+        return {}
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+        kinds = data["transports"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(
-            f"tuning file {path} is unreadable ({error}); run `pycoll tune` to rewrite it"
+            f"tuning file {path} is unreadable ({error!r}); run `pycoll tune` to rewrite it"
         ) from error
-    return Topology.from_json(data.get("topology", data), source=str(path))
+    return {kind: Topology.from_json(entry, source=f"{path} [{kind}]")
+            for kind, entry in kinds.items()}
+
+
+def save_tuning(topologies: dict[str, Topology], path: Path | None = None,
+                fits: dict | None = None) -> Path:
+    """Write (merge) tuned topologies into the tuning file; returns its path."""
+    path = tuning_path() if path is None else path
+    current = {kind: t.to_json() for kind, t in load_tuning(path).items()} if path.exists() else {}
+    current.update({kind: t.to_json() for kind, t in topologies.items()})
+    body = {"transports": current}
+    if fits:
+        body["fits"] = fits
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body, indent=1) + "\n")
+    return path
 
 
 def busbw_factor(collective: Collective, nranks: int) -> float:

@@ -103,6 +103,33 @@ class Schedule:
             and any(isinstance(t, Recv) for s in steps for t in s)
         )
 
+    @cached_property
+    def joined(self) -> frozenset[tuple[int, int, int]]:
+        """(rank, step, position) of every transfer that travels in the previous transfer's
+        message: the pair's next transfer in the same steps on both ends, with the chunk after
+        the previous one's on both ends, from the same buffer, copied or reduced alike. Both
+        ends read this from the schedule, so they always agree on the messages."""
+        sends: dict[tuple[int, int], list[tuple[int, int, Send]]] = {}
+        recvs: dict[tuple[int, int], list[tuple[int, int, Recv]]] = {}
+        for rank, steps in enumerate(self.steps):
+            for index, step in enumerate(steps):
+                for position, t in enumerate(step):
+                    if isinstance(t, Send):
+                        sends.setdefault((rank, t.peer), []).append((index, position, t))
+                    else:
+                        recvs.setdefault((t.peer, rank), []).append((index, position, t))
+        joined = set()
+        for (src, dst), out in sends.items():
+            into = recvs.get((src, dst), [])
+            for k in range(1, min(len(out), len(into))):
+                (s0, _, a), (s1, p1, b) = out[k - 1], out[k]
+                (r0, _, x), (r1, q1, y) = into[k - 1], into[k]
+                if (s0 == s1 and r0 == r1 and b.chunk == a.chunk + 1 and b.buffer is a.buffer
+                        and y.chunk == x.chunk + 1 and y.reduce == x.reduce):
+                    joined.add((src, s1, p1))
+                    joined.add((dst, r1, q1))
+        return frozenset(joined)
+
     def count(self, kind: type) -> int:
         """How many transfers of ``kind`` (Send or Recv) the schedule holds, over all ranks."""
         return sum(isinstance(t, kind) for rank in self.steps for step in rank for t in step)

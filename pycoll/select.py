@@ -1,56 +1,206 @@
 """Which algorithm serves a call, and in how many segments: the one place for these choices.
 
-For now a size rule; the cost-model selection replaces it. A caller forces a family with
-``algorithm=``; ``plan_for`` names the choice so that it can be shown.
+"auto" takes the (family, segment count) with the lowest time that the cost model
+(:mod:`pycoll.model`) predicts for the call's collective, size and rank count on the
+communicator's topology: the tuning file that ``pycoll tune`` wrote for this kind of
+transport, else built-in defaults. ``PYCOLL_ALGO`` forces a family, for every collective
+(``tree``) or per collective (``allreduce:tree,reduce_scatter:ring``); ``algorithm=`` in a
+call forces one for that call (the model then picks only its segment count);
+``PYCOLL_SEGMENTS`` forces the segment count. ``PYCOLL_DEBUG=1`` logs every call's choice.
 """
 
 from __future__ import annotations
 
-import math
+import functools
+import logging
 import os
 from dataclasses import dataclass
 
-from pycoll.algorithms import families_for
-from pycoll.schedule import Collective
+from pycoll import model
+from pycoll.algorithms import build, families_for
+from pycoll.schedule import ROOTED, Collective
 
-# A pipelined schedule cuts the array so each segment is about this many bytes.
-SEGMENT_BYTES = int(os.environ.get("PYCOLL_SEGMENT_BYTES", 1 << 20))
-MAX_SEGMENTS = 16
-# Force every schedule to this many segments (tests, `pycoll explain --segments`); None: by size.
+ALGO_ENV = "PYCOLL_ALGO"
+SEGMENT_BYTES = int(os.environ.get("PYCOLL_SEGMENT_BYTES", 1 << 20))  # kept for old callers
+MAX_SEGMENTS = max(model.SEGMENT_CHOICES)
+# Force every schedule to this many segments (tests, `pycoll explain --segments`); None: model.
 FORCED_SEGMENTS: int | None = (
     int(os.environ["PYCOLL_SEGMENTS"]) if os.environ.get("PYCOLL_SEGMENTS") else None
 )
-# At or below this size latency dominates: take the schedule with the fewest rounds.
-SMALL_BYTES = 64 << 10
+DEBUG = os.environ.get("PYCOLL_DEBUG", "") not in ("", "0")
+log = logging.getLogger("pycoll")
 
-_SMALL = {
-    Collective.ALLREDUCE: "direct",
-    Collective.REDUCE_SCATTER: "direct",
-    Collective.ALLGATHER: "direct",
-    Collective.BROADCAST: "tree",
-    Collective.REDUCE: "tree",
-}
-_LARGE = {
-    Collective.ALLREDUCE: "ring",
-    Collective.REDUCE_SCATTER: "ring",
-    Collective.ALLGATHER: "ring",
-    Collective.BROADCAST: "ring",
-    Collective.REDUCE: "ring",
+# Built-in costs per kind of transport, until `pycoll tune` measures this machine's. They
+# only rank the candidates; rough is fine.
+DEFAULTS = {
+    "local": model.Topology(
+        name="in-process threads", intra=model.Link(25e-6, 1 / 4e9), gamma=1 / 2e9,
+        delta=1 / 8e9,
+    ),
+    "mpi": model.Topology(
+        name="MPI", intra=model.Link(8e-6, 1 / 4e9), inter=model.Link(15e-6, 1 / 10e9),
+        gamma=1 / 2e9, delta=1 / 8e9,
+    ),
+    "cuda": model.Topology(
+        name="CUDA peer memory", intra=model.Link(30e-6, 1 / 1.5e12),
+        inter=model.Link(30e-6, 1 / 40e9), gamma=1 / 1.5e12, delta=1 / 2e12,
+    ),
 }
 
 
 @dataclass(frozen=True)
 class Plan:
+    """The choice for one call: the family, its segment count, why, and what the model
+    predicted for it and for every other candidate (fastest first; seconds)."""
+
+    collective: Collective
+    nbytes: int
+    nranks: int
     algorithm: str
     nsegments: int
+    predicted: float
+    reason: str
+    candidates: tuple[model.Candidate, ...] = ()
+    topology: str = ""
+
+    def describe(self) -> str:
+        others = ", ".join(
+            f"{c.algorithm}x{c.nsegments} {c.seconds * 1e6:.1f}" for c in self.candidates[:6]
+        )
+        return (
+            f"{self.collective.value} {self.nbytes} B on {self.nranks} ranks: "
+            f"{self.algorithm} x{self.nsegments} segments, predicted "
+            f"{self.predicted * 1e6:.1f} us ({self.reason}; {self.topology}); "
+            f"candidates (us): {others}"
+        )
 
 
-def plan_for(collective: Collective, nbytes: int, nranks: int, algorithm: str = "auto") -> Plan:
+def forced_algorithm(collective: Collective) -> str | None:
+    """The family ``PYCOLL_ALGO`` forces for ``collective``, or None."""
+    text = os.environ.get(ALGO_ENV, "").strip()
+    if not text:
+        return None
+    forced = None
+    for part in text.split(","):
+        part = part.strip()
+        name, _, family = part.rpartition(":")
+        if name and name not in {c.value for c in Collective}:
+            raise ValueError(
+                f"{ALGO_ENV}={text!r}: {name!r} is not a collective; allowed: a family name, "
+                "or collective:family pairs such as allreduce:tree,reduce_scatter:ring"
+            )
+        if not family:
+            raise ValueError(f"{ALGO_ENV}={text!r}: empty family in {part!r}")
+        if name == collective.value or (not name and forced is None):
+            forced = family
+    return forced
+
+
+def plan_for(
+    collective: Collective,
+    nbytes: int,
+    nranks: int,
+    algorithm: str = "auto",
+    topology: model.Topology | None = None,
+    itemsize: int = 1,
+    root: int | None = None,
+) -> Plan:
     """The family and segment count for ``collective`` on ``nbytes`` over ``nranks`` ranks."""
+    topology = DEFAULTS["local"] if topology is None else topology
+    reason = "lowest predicted time"
+    families = None
     if algorithm == "auto":
-        table = _SMALL if nbytes <= SMALL_BYTES else _LARGE
-        algorithm = table.get(collective) or families_for(collective)[0]
+        forced = forced_algorithm(collective)
+        if forced is not None:
+            allowed = families_for(collective)
+            if forced not in allowed:
+                raise ValueError(
+                    f"{ALGO_ENV} forces {forced!r} for {collective.value}, which it cannot "
+                    f"serve; allowed for {collective.value}: {', '.join(allowed)}"
+                )
+            families, reason = [forced], f"forced by {ALGO_ENV}"
+    else:
+        families, reason = [algorithm], f"algorithm={algorithm!r}"
+    segments = None if FORCED_SEGMENTS is None else (FORCED_SEGMENTS,)
     if FORCED_SEGMENTS is not None:
-        return Plan(algorithm, FORCED_SEGMENTS)
-    nsegments = max(1, min(MAX_SEGMENTS, math.ceil(nbytes / SEGMENT_BYTES)))
-    return Plan(algorithm, nsegments)
+        reason += f", PYCOLL_SEGMENTS={FORCED_SEGMENTS}"
+    found = rank_candidates(collective, nbytes, nranks, topology, itemsize, root, families,
+                            segments)
+    best = found[0]
+    return Plan(collective, nbytes, nranks, best.algorithm, best.nsegments, best.seconds,
+                reason, tuple(found), topology.name)
+
+
+def rank_candidates(
+    collective: Collective,
+    nbytes: int,
+    nranks: int,
+    topology: model.Topology,
+    itemsize: int = 1,
+    root: int | None = None,
+    families: list[str] | None = None,
+    segments: tuple[int, ...] | None = None,
+) -> list[model.Candidate]:
+    """Every (family, segments) serving the call with its predicted time, fastest first."""
+    count = nbytes // itemsize
+    root = (root or 0) if collective in ROOTED else None
+    out = []
+    for family in families or families_for(collective):
+        for nsegments in segments or model.SEGMENT_CHOICES:
+            if segments is None and nsegments > 1 and count < 4 * nsegments * nranks:
+                break  # chunks of a few elements: more segments only add messages
+            seconds = estimate(collective, family, nranks, nsegments, root, topology, itemsize,
+                               count)
+            out.append(model.Candidate(family, nsegments, seconds))
+    if not out:
+        raise ValueError(f"no algorithm serves {collective.value}")
+    return sorted(out, key=lambda c: (c.seconds, c.nsegments, c.algorithm))
+
+
+def estimate(collective, family, nranks, nsegments, root, topology, itemsize, count) -> float:
+    """The model's time for ``count`` elements: exact for a small call; otherwise the affine
+    fit through two exact plays at sizes that fill every chunk evenly (a schedule's cost is
+    affine in the size once no chunk is empty), so a size sweep plays each schedule twice."""
+    key = (collective, family, nranks, nsegments, root)
+    nchunks = build(family, collective, nranks, nsegments, root).nchunks
+    if count <= 64 * nchunks:
+        return _exact(key, topology, itemsize, count)
+    fixed, per_element = _affine(key, topology, itemsize, nchunks)
+    return fixed + per_element * count
+
+
+@functools.lru_cache(maxsize=4096)
+def _exact(key: tuple, topology: model.Topology, itemsize: int, count: int) -> float:
+    collective, family, nranks, nsegments, root = key
+    schedule = build(family, collective, nranks, nsegments, root)
+    return model.play(model.programs(schedule, count), topology, itemsize).seconds
+
+
+@functools.lru_cache(maxsize=1024)
+def _affine(key: tuple, topology: model.Topology, itemsize: int, nchunks: int):
+    small, large = 64 * nchunks, 4096 * nchunks
+    t_small = _exact(key, topology, itemsize, small)
+    t_large = _exact(key, topology, itemsize, large)
+    per_element = (t_large - t_small) / (large - small)
+    return t_small - per_element * small, per_element
+
+
+def topology_for(comm, space) -> model.Topology:
+    """The costs for ``comm``'s transport to ``space``'s arrays: tuned, else the defaults.
+    Under MPI rank 0 reads the tuning file and every rank uses its copy, so that all ranks
+    choose alike."""
+    kind = "cuda" if space.is_device else ("mpi" if comm.mpi_comm is not None else "local")
+    cached = comm.topologies.get(kind)
+    if cached is not None:
+        return cached
+    tuned = model.load_tuning().get(kind) if comm.rank == 0 or comm.mpi_comm is None else None
+    if comm.mpi_comm is not None:
+        tuned = comm.transport.comm.bcast(tuned, root=0)
+    topology = tuned or DEFAULTS[kind]
+    comm.topologies[kind] = topology
+    return topology
+
+
+def report(plan: Plan, rank: int) -> None:
+    """The PYCOLL_DEBUG line for one call."""
+    log.warning("pycoll: rank %d %s", rank, plan.describe())

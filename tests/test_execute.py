@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pycoll import algorithms
 from pycoll.execute import compile_program
 from pycoll.schedule import Collective, Layout
@@ -39,3 +41,40 @@ def test_zero_length_chunks_drop_out_on_both_sides():
     sizes = [r.stop - r.start for receives, _ in compiled.steps for r in receives]
     sizes += [t.stop - t.start for _, transmits in compiled.steps for t in transmits]
     assert sizes and all(size > 0 for size in sizes)
+
+
+def _messages(family, collective, nranks, nsegments, count, root=None):
+    """(src, dst) -> sizes of the messages src posts to dst, and those dst posts from src."""
+    from pycoll import model
+
+    schedule = algorithms.build(family, collective, nranks, nsegments, root)
+    sent, received = {}, {}
+    for rank, program in enumerate(model.programs(schedule, count)):
+        for receives, transmits in program.steps:
+            for t in transmits:
+                sent.setdefault((rank, t.peer), []).append(t.stop - t.start)
+            for r in receives:
+                received.setdefault((r.peer, rank), []).append(r.stop - r.start)
+    return sent, received
+
+
+def test_consecutive_chunks_to_one_peer_travel_as_one_message():
+    """Recursive halving sends half its blocks to one partner per round: one message each."""
+    sent, received = _messages("halving_doubling", Collective.REDUCE_SCATTER, 8, 1, 8 * 10)
+    assert sent == received
+    assert sent[(0, 4)] == [40] and sent[(0, 2)] == [20] and sent[(0, 1)] == [10]
+
+
+@pytest.mark.parametrize("family", ["ring", "tree", "halving_doubling", "direct"])
+@pytest.mark.parametrize("nranks", [1, 2, 3, 5, 6, 8])
+def test_both_ends_agree_on_every_message(family, nranks):
+    for collective in algorithms.FAMILIES[family].SCHEDULES:
+        if collective is Collective.SENDRECV:
+            continue
+        rooted = collective in (Collective.BROADCAST, Collective.REDUCE)
+        for nsegments in (1, 3):
+            for count in (0, 1, nranks + 1, 97):
+                sent, received = _messages(
+                    family, collective, nranks, nsegments, count, nranks - 1 if rooted else None
+                )
+                assert sent == received, (family, collective, nranks, nsegments, count)

@@ -67,14 +67,15 @@ def test_rabenseifner_and_recursive_halving_doubling(p):
 
 @pytest.mark.parametrize("p", [p for p in SOME if p not in POWERS])
 def test_halving_doubling_folds_other_rank_counts_within_its_bound(p):
-    """Two fold rounds and uneven halving rounds: the module's stated upper bound."""
+    """Two fold rounds and uneven halving rounds: the module's stated upper bound, which
+    counts alpha per round (a link per peer)."""
     n = size(p)
     low = 2 ** int(math.log2(p))
     lg, rem = int(math.log2(low)), p - low
     extra = sum(min(d, rem) for d in (low >> k for k in range(1, lg + 1)))
     bound = (lg + 2) * A + (p + low - 1 + extra) / p * n * (B + G)
     power = lg * A + (p - 1) / p * n * (B + G)
-    got = seconds("halving_doubling", Collective.REDUCE_SCATTER, p, n)
+    got = seconds("halving_doubling", Collective.REDUCE_SCATTER, p, n, MULTI)
     assert power < got <= bound * (1 + 1e-12)
 
 
@@ -100,30 +101,36 @@ def test_pipelined_binomial_broadcast_with_a_link_per_peer(p, segments):
 @pytest.mark.parametrize("p", SOME)
 def test_direct_schedules(p):
     n = size(p)
+    """A rank's p-1 messages share its port: (p-1) alphas; with a link per peer, one."""
     assert seconds("direct", Collective.ALLREDUCE, p, n) == pytest.approx(
-        A + (p - 1) * n * (B + G), rel=1e-12
+        (p - 1) * (A + n * B) + (p - 1) * n * G, rel=1e-12
     )
     assert seconds("direct", Collective.REDUCE_SCATTER, p, n) == pytest.approx(
-        A + (p - 1) / p * n * (B + G), rel=1e-12
+        (p - 1) * A + (p - 1) / p * n * (B + G), rel=1e-12
     )
     assert seconds("direct", Collective.ALLGATHER, p, n) == pytest.approx(
-        A + (p - 1) / p * n * B, rel=1e-12
+        (p - 1) * A + (p - 1) / p * n * B, rel=1e-12
+    )
+    assert seconds("direct", Collective.ALLREDUCE, p, n, MULTI) == pytest.approx(
+        A + n * B + (p - 1) * n * G, rel=1e-12
     )
 
 
 @pytest.mark.parametrize("p", SOME[::2])
 @pytest.mark.parametrize("segments", [1, 4, 16])
 def test_pipelined_double_binary_tree_between_its_bounds(p, segments):
-    """Serialized links: at most (2H+S-1)(alpha + 2n/S beta) + (H+S-1) n/S gamma (the tree
-    module's bound); at least the round count's alphas plus the busiest rank's bytes."""
+    """The tree module's bound, (2H+S-1)(alpha + 2n/S beta) + (H+S-1) n/S gamma, counts alpha
+    per round (a link per peer); with one port a round pays an alpha per message, up to four.
+    At least: the rounds' alphas, and with one port the busiest rank's bytes."""
     n, h = size(p, 2 * segments), math.ceil(math.log2(p))
-    got = seconds("tree", Collective.ALLREDUCE, p, n, segments=segments)
-    bound = (2 * h + segments - 1) * (A + 2 * n / segments * B) + (h + segments - 1) * (
-        n / segments * G
-    )
-    rounds = 2 * h + segments - 1 if p > 2 else segments + 1
-    assert got <= bound * (1 + 1e-12)
-    assert got >= rounds * A + 2 * (p - 1) / p * n * B
+    rounds = 2 * h + segments - 1
+    bytes_term = 2 * n / segments * B
+    reduce_term = (h + segments - 1) * (n / segments * G)
+    multi = seconds("tree", Collective.ALLREDUCE, p, n, MULTI, segments)
+    single = seconds("tree", Collective.ALLREDUCE, p, n, segments=segments)
+    assert rounds * A <= multi <= (rounds * (A + bytes_term) + reduce_term) * (1 + 1e-12)
+    assert single <= (rounds * (4 * A + bytes_term) + reduce_term) * (1 + 1e-12)
+    assert single >= rounds * A + 2 * (p - 1) / p * n * B
 
 
 def test_tree_beats_ring_on_latency_and_ring_wins_on_bandwidth():
@@ -174,4 +181,9 @@ def test_topology_files_round_trip_and_reject_unknown_keys(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text("{")
     with pytest.raises(ValueError, match="unreadable"):
-        model.load_topology(path)
+        model.load_tuning(path)
+    good = tmp_path / "tuning.json"
+    model.save_tuning({"mpi": topology}, good)
+    model.save_tuning({"local": model.Topology()}, good)  # merges
+    loaded = model.load_tuning(good)
+    assert set(loaded) == {"mpi", "local"} and loaded["mpi"].ranks_per_node == 8

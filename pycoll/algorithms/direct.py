@@ -4,23 +4,24 @@
 number of ranks, ``S`` the number of segments; ``alpha`` is the latency of one message,
 ``beta`` the time per byte on the wire, ``gamma`` the time per reduced byte. A round is one
 step of every rank. In one round a rank posts all its sends to different peers together; the
-costs below serialize a rank's bytes on its one link (the multi-port figure, with every link
-in parallel, divides the beta term by the number of peers). Segments only cut each block into
-``S`` chunks, sent in the same step, so the round counts do not depend on ``S``.
+costs below serialize a rank's messages and bytes on its one link (the multi-port figure, with
+every link in parallel, pays alpha once and divides the beta term by the number of peers).
+Segments only cut each block into ``S`` chunks, sent in the same step, so the round counts do
+not depend on ``S``.
 
 * :func:`allreduce_one_shot` (``nblocks = 1``): one round: every rank sends its whole INPUT to
   every other rank and reduces the ``p-1`` arrays it receives into its WORK (already seeded with
   its own). It sends from INPUT because it receives into WORK in the same step. Each rank sends
-  ``(p-1) n`` bytes. Cost: ``alpha + (p-1) n beta + (p-1) n gamma``; with links in parallel
+  ``(p-1) n`` bytes. Cost: ``(p-1)(alpha + n beta) + (p-1) n gamma``; with links in parallel
   ``alpha + n beta + (p-1) n gamma``. Each rank adds the arrays in its own order (its own
   first, then the others by rank), so for floating-point data the results may differ in the
   last bits between ranks; integer results are exact and equal everywhere.
 * :func:`reduce_scatter_direct` (``nblocks = p``): one round: every rank sends block j (from
   INPUT) to rank j and reduces block r from every peer. Each rank sends ``(p-1)/p n`` bytes.
-  Cost: ``alpha + (p-1)/p n beta + (p-1)/p n gamma``.
+  Cost: ``(p-1) alpha + (p-1)/p n beta + (p-1)/p n gamma``.
 * :func:`allgather_direct` (``nblocks = p``): one round: every rank sends its own block (WORK
   block r, which it never receives into) to every other rank and copies block q from rank q.
-  Each rank sends ``(p-1)/p n`` bytes. Cost: ``alpha + (p-1)/p n beta``.
+  Each rank sends ``(p-1)/p n`` bytes. Cost: ``(p-1) alpha + (p-1)/p n beta``.
 * :func:`alltoall_pairwise` (``nblocks = p``): p-1 rounds; in round k (1..p-1) rank r sends
   INPUT block ``r+k`` to rank ``r+k`` and receives WORK block ``r-k`` from rank ``r-k``
   (mod p): one peer in, one out, per round. Each rank sends ``(p-1)/p n`` bytes (for
