@@ -1,0 +1,104 @@
+"""Selection: auto takes the model's fastest candidate; PYCOLL_ALGO, algorithm=, plan(),
+PYCOLL_DEBUG and tuning files."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import pycoll
+from pycoll import model, select
+from pycoll.schedule import Collective
+
+
+@pytest.fixture(autouse=True)
+def no_tuning_file(monkeypatch, tmp_path):
+    monkeypatch.setenv(model.TUNING_ENV, str(tmp_path / "none.json"))
+    monkeypatch.delenv(select.ALGO_ENV, raising=False)
+
+
+def plan_on(nranks, *args, **kwargs):
+    return pycoll.run_local(nranks, lambda: pycoll.plan(*args, **kwargs))[0]
+
+
+def test_plan_names_the_choice_and_every_candidate_fastest_first():
+    plan = plan_on(4, "allreduce", 1 << 20)
+    assert plan.reason == "lowest predicted time"
+    times = [c.seconds for c in plan.candidates]
+    assert times == sorted(times) and plan.predicted == times[0]
+    assert (plan.algorithm, plan.nsegments) == (
+        plan.candidates[0].algorithm, plan.candidates[0].nsegments
+    )
+    assert {c.algorithm for c in plan.candidates} == {"ring", "tree", "halving_doubling", "direct"}
+    assert "allreduce 1048576 B on 4 ranks" in plan.describe()
+
+
+def test_latency_picks_few_messages_and_bandwidth_picks_the_ring(monkeypatch, tmp_path):
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv(model.TUNING_ENV, str(path))
+    slow_start = model.Topology(intra=model.Link(1e-3, 1e-10), gamma=1e-11, delta=0.0)
+    model.save_tuning({"local": slow_start}, path)
+    small = plan_on(8, "allreduce", 64)
+    large = plan_on(8, "allreduce", 64 << 20)
+    assert small.algorithm in ("halving_doubling", "tree") and small.nsegments == 1
+    assert large.algorithm in ("ring", "halving_doubling")
+    assert str(path) in small.topology or small.topology == slow_start.name
+
+
+def test_pycoll_algo_forces_a_family_globally_or_per_collective(monkeypatch):
+    monkeypatch.setenv(select.ALGO_ENV, "tree")
+    assert plan_on(4, "allreduce", 1 << 20).algorithm == "tree"
+    monkeypatch.setenv(select.ALGO_ENV, "allreduce:direct, reduce_scatter:ring")
+    forced = plan_on(4, "allreduce", 1 << 20)
+    assert forced.algorithm == "direct" and forced.reason == "forced by PYCOLL_ALGO"
+    assert plan_on(4, "reduce_scatter", 64).algorithm == "ring"
+    assert plan_on(4, "broadcast", 64).reason == "lowest predicted time"
+
+
+def test_a_forced_family_that_cannot_serve_the_call_names_the_variable(monkeypatch):
+    monkeypatch.setenv(select.ALGO_ENV, "halving_doubling")
+    with pytest.raises(ValueError, match="PYCOLL_ALGO forces 'halving_doubling' for broadcast"):
+        pycoll.run_local(2, lambda: pycoll.broadcast(np.zeros(4)))
+    monkeypatch.setenv(select.ALGO_ENV, "allgatherr:ring")
+    with pytest.raises(ValueError, match="PYCOLL_ALGO='allgatherr:ring': 'allgatherr' is not"):
+        plan_on(2, "allgather", 64)
+
+
+def test_calls_run_what_the_plan_says(monkeypatch, caplog):
+    monkeypatch.setattr(select, "DEBUG", True)
+    monkeypatch.setenv(select.ALGO_ENV, "allreduce:tree")
+    with caplog.at_level(logging.WARNING, logger="pycoll"):
+        results = pycoll.run_local(3, lambda: pycoll.allreduce(np.arange(10) + pycoll.world().rank))
+    np.testing.assert_array_equal(results[0], 3 * np.arange(10) + 3)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all("allreduce 80 B on 3 ranks: tree" in line for line in lines)
+    assert all("forced by PYCOLL_ALGO" in line for line in lines)
+
+
+def test_algorithm_argument_lets_the_model_pick_only_the_segments():
+    plan = plan_on(4, "broadcast", 32 << 20, algorithm="ring")
+    assert plan.algorithm == "ring" and {c.algorithm for c in plan.candidates} == {"ring"}
+    assert plan.nsegments > 1  # a pipelined chain, for a large message
+
+
+@pytest.mark.parametrize("args,message", [
+    (("allreducee", 8), "plan: collective='allreducee' is unknown"),
+    (("allreduce", -1), "plan: nbytes=-1 is invalid"),
+    (("broadcast", 8), "plan: root=9 is not a rank"),
+])
+def test_plan_rejects_bad_arguments(args, message):
+    kwargs = {"root": 9} if args[0] == "broadcast" else {}
+    with pytest.raises(ValueError, match=message):
+        plan_on(2, *args, **kwargs)
+
+
+def test_the_affine_estimate_matches_an_exact_play():
+    topology = select.DEFAULTS["mpi"]
+    for family in ("ring", "tree", "halving_doubling", "direct"):
+        for count in (7 * 4096 * 64, 123_457 * 8):
+            fast = select.estimate(Collective.ALLREDUCE, family, 7, 2, None, topology, 4, count)
+            schedule = pycoll.algorithms.build(family, Collective.ALLREDUCE, 7, 2)
+            exact = model.play(model.programs(schedule, count), topology, 4).seconds
+            assert fast == pytest.approx(exact, rel=1e-3)
