@@ -46,17 +46,3 @@ class CudaIpcAccess:
 
     def close_event(self, opened: Any) -> None:
         _runtime().eventDestroy(opened)
-
-
-def node_of_each_rank(mpi_comm: Any) -> list[int]:
-    """Each rank's node number, 0 upward in order of the nodes' lowest ranks (ranks of one
-    node share memory, so CUDA IPC can reach them)."""
-    from mpi4py import MPI
-
-    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-    leader = mpi_comm.allgather(mpi_comm.Get_rank() if node.Get_rank() == 0 else -1)
-    node_leader = node.bcast(mpi_comm.Get_rank() if node.Get_rank() == 0 else None, root=0)
-    node.Free()
-    leaders = sorted(r for r in leader if r >= 0)
-    nodes = mpi_comm.allgather(leaders.index(node_leader))
-    return nodes

@@ -8,6 +8,7 @@ imported here only, so that a program that never runs under MPI never loads it.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -62,3 +63,15 @@ class MPITransport:
 
     def free(self) -> None:
         self.comm.Free()
+
+
+def node_of_each_rank(mpi_comm: Any) -> list[int]:
+    """Each rank's node number, 0 upward in order of the nodes' lowest ranks (ranks of one
+    node share memory, so CUDA IPC can reach them)."""
+    node = mpi_comm.Split_type(mpi().COMM_TYPE_SHARED)
+    leader = mpi_comm.allgather(mpi_comm.Get_rank() if node.Get_rank() == 0 else -1)
+    node_leader = node.bcast(mpi_comm.Get_rank() if node.Get_rank() == 0 else None, root=0)
+    node.Free()
+    leaders = sorted(r for r in leader if r >= 0)
+    nodes = mpi_comm.allgather(leaders.index(node_leader))
+    return nodes

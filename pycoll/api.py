@@ -63,7 +63,7 @@ def reduce_scatter(
     with space.using(stream):
         out = _out(out, x, shape, "reduce_scatter")
         blocks = tuple(c * _row_size(x) for c in counts)
-        work = space.empty(x.size, x.dtype)
+        work = comm.buffer("reduce_scatter", x.size, x.dtype, space)
         _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
         start = sum(blocks[: comm.rank])
         result = work[start : start + blocks[comm.rank]]
@@ -142,7 +142,7 @@ def reduce(
             out = _out(out, x, x.shape, "reduce", may_alias=True)
             work = out
         else:
-            work = space.empty(x.shape, x.dtype)  # partial results pass through non-roots
+            work = comm.buffer("reduce", x.size, x.dtype, space)  # partials pass non-roots
         _run(comm, Collective.REDUCE, x, work, op, algorithm, root=root)
         if comm.rank != root:
             return None
@@ -445,14 +445,17 @@ def _run(
     target = work if work.ndim == 1 else work.reshape(-1)
     if comm.rank in schedule.input_read_late and space.shares_memory(source, target):
         # in place, yet the schedule reads INPUT after WORK changed
-        source, original = space.empty(source.size, source.dtype), source
+        source, original = comm.buffer("input", source.size, source.dtype, space), source
         space.copy(source, original)
     tag = comm.next_tag() if tag is None else tag
     if space.is_device:
         transport = comm.device_transport(space, p2p)
     else:
         transport = comm.p2p if p2p else comm.transport
-    run(program, source, target, transport, tag, reduce, space)
+    scratch = None
+    if program.scratch_elements and not getattr(transport, "delivers", False):
+        scratch = comm.buffer("scratch", program.scratch_elements, target.dtype, space)
+    run(program, source, target, transport, tag, reduce, space, scratch)
 
 
 def _prepare(comm: Communicator, key: tuple) -> tuple:

@@ -1,4 +1,4 @@
-"""The `pycoll` command: demo, explain."""
+"""The `pycoll` command: demo, explain, bench, tune."""
 
 from __future__ import annotations
 
@@ -52,8 +52,33 @@ def main(argv: list[str] | None = None) -> int:
                        help="kernels only: comma-separated GPU kernel backends")
     bench.add_argument("--json", metavar="PATH", help="write rows as JSON ('-' for stdout)")
     bench.add_argument("--csv", metavar="PATH", help="write rows as CSV ('-' for stdout)")
+    tune = commands.add_parser(
+        "tune", help="measure alpha, beta, gamma of each transport here; write a tuning file"
+    )
+    tune.add_argument("--output", metavar="PATH",
+                      help="tuning file (default: $PYCOLL_TUNING, else ~/.cache/pycoll)")
+    tune.add_argument("--repeats", type=int, default=15, help="timed runs per point")
+    compare = commands.add_parser(
+        "compare", help="every algorithm and auto side by side against the model: table + PNG"
+    )
+    compare.add_argument("collective", nargs="?", default="allreduce")
+    compare.add_argument("-b", "--min-bytes", default="8")
+    compare.add_argument("-e", "--max-bytes", default="32M")
+    compare.add_argument("-f", "--step-factor", type=int, default=2)
+    compare.add_argument("-n", "--iters", type=int, default=15)
+    compare.add_argument("-w", "--warmup", type=int, default=2)
+    compare.add_argument("-d", "--dtype", default="float32")
+    compare.add_argument("-o", "--op", default="sum")
+    compare.add_argument("-r", "--root", type=int, default=0)
+    compare.add_argument("--ranks", type=int, help="in-process ranks (default: the MPI job)")
+    compare.add_argument("--output", metavar="PREFIX",
+                         help="writes PREFIX.md and PREFIX.png (default compare-COLLECTIVE-N)")
     args = parser.parse_args(argv)
 
+    if args.command == "compare":
+        return _compare(args, argv)
+    if args.command == "tune":
+        return _tune(args)
     if args.command == "bench":
         return _bench_kernels(args) if args.collective == "kernels" else _bench(args)
 
@@ -125,6 +150,62 @@ def _bench(args: argparse.Namespace) -> int:
         if args.csv:
             bench.write_csv(rows, args.csv)
     return 0 if all(r.wrong == 0 for r in rows) else 1
+
+
+def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
+    import pycoll
+    from pycoll import bench, compare
+
+    try:
+        options = bench.Options(
+            collective=args.collective, min_bytes=bench.parse_size(args.min_bytes),
+            max_bytes=bench.parse_size(args.max_bytes), step_factor=args.step_factor,
+            iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=args.op, root=args.root,
+        )
+        bench.validate(options)
+        if bench.COLLECTIVES[args.collective] is bench.Collective.ALLTOALL:
+            raise ValueError("collective='alltoall' has one algorithm (direct): nothing to compare")
+        if args.ranks is not None:
+            result = pycoll.run_local(
+                args.ranks, lambda: compare.run(options, pycoll.world())
+            )[0]
+            rank = 0
+        else:
+            comm = pycoll.world()
+            result, rank = compare.run(options, comm), comm.rank
+    except (ValueError, TypeError) as error:
+        print(f"pycoll compare: {error}", file=sys.stderr)
+        return 2
+    if rank != 0:
+        return 0
+    words = ["pycoll", "compare", *(sys.argv[1:] if argv is None else argv)[1:]]
+    if result.where == "MPI":
+        words = ["mpiexec", "-n", str(result.nranks), *words]
+    result.command = " ".join(words)
+    prefix = args.output or f"compare-{args.collective}-{result.nranks}"
+    text = result.markdown().replace("# ", "# pycoll compare: ", 1)
+    with open(f"{prefix}.md", "w") as f:
+        f.write(text + f"\n![busbw against size]({prefix.rsplit('/', 1)[-1]}.png)\n")
+    compare.plot(result, f"{prefix}.png")
+    print(text, flush=True)
+    print(f"wrote {prefix}.md and {prefix}.png")
+    return 0 if all(sum(p.wrong.values()) == 0 for p in result.points) else 1
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pycoll import tune
+
+    if args.repeats < 1:
+        print(f"pycoll tune: --repeats={args.repeats}; allowed: an int >= 1", file=sys.stderr)
+        return 2
+    try:
+        tune.tune(Path(args.output) if args.output else None, args.repeats)
+    except (ValueError, OSError) as error:
+        print(f"pycoll tune: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _bench_kernels(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
-from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi
+from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi, node_of_each_rank
 from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
 from pycoll.bindings.transport import Transport
 
@@ -58,6 +58,23 @@ class Communicator:
         self.prepared: dict[tuple, tuple] = {}  # per call shape: schedule, program, reducer
         self._device_transports: dict[tuple, Any] = {}
         self.topologies: dict[str, Any] = {}  # per kind of transport: the costs selection uses
+        self._buffers: dict[tuple, Any] = {}
+
+    def buffer(self, purpose: str, count: int, dtype: Any, space: Any) -> Any:
+        """A flat array of ``count`` elements kept for ``purpose`` (scratch, a temporary
+        result) between calls: fresh memory would be paid for again in page faults on every
+        large call. It grows to the largest call's size; calls on one communicator never
+        overlap, so one buffer per purpose serves them all. Device arrays get fresh memory:
+        calls on different streams could overlap there, and CuPy's pool reuses memory in
+        stream order anyway."""
+        if space.is_device:
+            return space.empty(count, dtype)
+        key = (purpose, dtype, space.name)
+        kept = self._buffers.get(key)
+        if kept is None or kept.size < count:
+            kept = self._buffers[key] = space.empty(max(count, 2 * kept.size if kept is not None
+                                                        else count), dtype)
+        return kept[:count]
 
     def device_transport(self, space: Any, p2p: bool = False) -> Any:
         """The endpoint that moves ``space``'s (device) arrays, made on first use.
@@ -220,8 +237,6 @@ def _mpi_device_transport(mpi_comm: Any, space: Any) -> Any:
     if mode == "staged":
         nodes = list(range(mpi_comm.Get_size()))
     else:
-        from pycoll.bindings.cuda_ipc import node_of_each_rank
-
         nodes = node_of_each_rank(mpi_comm)
     return _route(
         mpi_comm.Get_rank(), nodes, mode,

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from pycoll.bindings.transport import Transport
 from pycoll.schedule import Buffer, Layout, Recv, Schedule, Send, seeded_chunks
@@ -23,9 +21,6 @@ from pycoll.spaces import HOST
 # reduce(dst, src): dst = dst (op) src; reduce(dst, src, first): dst = first (op) src
 Reducer = Callable[..., None]
 
-# Scratch up to this size stays with a compiled program; larger is allocated per call, where
-# the allocation is small next to moving the data, and memory is not held between calls.
-KEEP_SCRATCH_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -53,16 +48,7 @@ class Program:
 
     seeds: tuple[tuple[int, int, int, int], ...]  # INPUT start, stop -> WORK start, stop
     steps: tuple[tuple[tuple[Receive, ...], tuple[Transmit, ...]], ...]
-    scratch_elements: int
-    _scratch: np.ndarray | None = field(default=None, repr=False)
-
-    def scratch(self, dtype: np.dtype) -> np.ndarray:
-        if self._scratch is not None and self._scratch.dtype == dtype:
-            return self._scratch
-        scratch = np.empty(self.scratch_elements, dtype)
-        if scratch.nbytes <= KEEP_SCRATCH_BYTES:
-            self._scratch = scratch
-        return scratch
+    scratch_elements: int  # the most any step reduces at once
 
 
 def compile_program(
@@ -162,13 +148,15 @@ def run(
     tag: int,
     reduce: Reducer,
     space: Any = HOST,
+    scratch: Any = None,
 ) -> None:
     """Seed WORK from INPUT (flat views), then run the program's steps in order.
 
     ``space`` does the copies (numpy's by default; a device space enqueues them on the
     current stream). A transport that ``delivers`` takes each reduction with its receive and
     combines the incoming data where it lands (a peer-memory inbox, a staging buffer);
-    otherwise data arrives in scratch and is reduced here.
+    otherwise data arrives in ``scratch`` (at least ``program.scratch_elements`` long; made
+    here when not given) and is reduced here.
     """
     for in_start, in_stop, work_start, work_stop in program.seeds:
         target = work[work_start:work_stop]
@@ -180,7 +168,8 @@ def run(
     if getattr(transport, "delivers", False):
         _run_delivered(program, source, work, transport, tag, reduce)
         return
-    scratch = program.scratch(work.dtype) if program.scratch_elements else None
+    if scratch is None and program.scratch_elements:
+        scratch = space.empty(program.scratch_elements, work.dtype)
     for receives, transmits in program.steps:
         if len(receives) == 1 and len(transmits) == 1:  # a ring step, or a pair exchange
             r, t = receives[0], transmits[0]

@@ -51,17 +51,38 @@ class Topology:
     inter: Link = Link(20e-6, 1 / 5e9)
     gamma: float = 1 / 5e9  # seconds per reduced byte
     delta: float = 1 / 10e9  # seconds per locally copied byte
+    call: float = 0.0  # seconds per call, before any message (validation, lookup, launch)
     ranks_per_node: int = 0  # 0: every rank on one node
     ports: str = "single"  # "single" or "multi"
+    nranks: int = 0  # the rank count these costs were measured at (0: any)
     source: str = "built-in defaults"
+    # Measured per-byte costs by working-set size, (name, ((bytes, seconds per byte), ...)),
+    # for name in intra, inter, gamma, delta: a cache holds a small call's bytes, memory a
+    # large one's, so the per-byte costs of a call depend on its size (see ``at``).
+    curves: tuple = ()
 
     def link(self, a: int, b: int) -> Link:
         if self.ranks_per_node <= 0 or a // self.ranks_per_node == b // self.ranks_per_node:
             return self.intra
         return self.inter
 
+    def at(self, nbytes: int) -> Topology:
+        """These costs for a call of ``nbytes``: each measured per-byte cost read off its
+        curve at the call's size (rounded to a power of two; between points by log-linear
+        interpolation, beyond the ends the end's value); without curves, unchanged."""
+        if not self.curves:
+            return self
+        size = 1 << max(0, round(math.log2(max(nbytes, 1))))
+        values = {name: _interpolate(points, size) for name, points in self.curves}
+        intra = replace(self.intra, beta=values.get("intra", self.intra.beta))
+        inter = replace(self.inter, beta=values.get("inter", self.inter.beta))
+        return replace(self, intra=intra, inter=inter, gamma=values.get("gamma", self.gamma),
+                       delta=values.get("delta", self.delta), curves=())
+
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data["curves"] = {name: [list(p) for p in points] for name, points in self.curves}
+        return data
 
     @classmethod
     def from_json(cls, data: dict, source: str = "") -> Topology:
@@ -73,6 +94,11 @@ class Topology:
                 f"allowed: {sorted(known)}"
             )
         values = dict(data)
+        curves = values.get("curves") or {}
+        values["curves"] = tuple(
+            (name, tuple((int(b), float(v)) for b, v in points))
+            for name, points in sorted(curves.items())
+        )
         for name in ("intra", "inter"):
             if name in values and not isinstance(values[name], Link):
                 values[name] = Link(float(values[name]["alpha"]), float(values[name]["beta"]))
@@ -80,6 +106,16 @@ class Topology:
         if topology.ports not in ("single", "multi"):
             raise ValueError(f"topology ports={topology.ports!r}; allowed: 'single', 'multi'")
         return replace(topology, source=source or topology.source)
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], size: int) -> float:
+    if size <= points[0][0]:
+        return points[0][1]
+    for (b0, v0), (b1, v1) in zip(points, points[1:]):
+        if size <= b1:
+            w = math.log(size / b0) / math.log(b1 / b0)
+            return v0 + w * (v1 - v0)
+    return points[-1][1]
 
 
 @dataclass(frozen=True)
@@ -180,7 +216,7 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
             partners[dst][j].append((src, i))
 
     # finish[r][i + 1]: when rank r left step i; finish[r][0]: its seed copies are done.
-    finish = [[topology.delta * seed_bytes[r]] for r in range(nranks)]
+    finish = [[topology.call + topology.delta * seed_bytes[r]] for r in range(nranks)]
     pending = list(range(nranks))
     while pending:
         advanced = False
@@ -270,35 +306,49 @@ def tuning_path() -> Path:
     return Path(cache) / "pycoll" / "tuning.json"
 
 
-def load_tuning(path: Path | None = None) -> dict[str, Topology]:
+def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
     """The tuned topologies of this machine by kind of transport ("local", "mpi", "cuda"),
-    from the tuning file; empty when there is none."""
+    one per rank count tuned at; empty when there is no tuning file."""
     path = tuning_path() if path is None else path
     if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
-        kinds = data["transports"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+        kinds = {kind: [entries] if isinstance(entries, dict) else list(entries)
+                 for kind, entries in data["transports"].items()}  # one entry: a dict
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(
             f"tuning file {path} is unreadable ({error!r}); run `pycoll tune` to rewrite it"
         ) from error
-    return {kind: Topology.from_json(entry, source=f"{path} [{kind}]")
-            for kind, entry in kinds.items()}
+    return {
+        kind: [Topology.from_json(e, source=f"{path} [{kind}, {e.get('nranks', 0)} ranks]")
+               for e in entries]
+        for kind, entries in kinds.items()
+    }
 
 
-def save_tuning(topologies: dict[str, Topology], path: Path | None = None,
+def save_tuning(topologies: list[tuple[str, Topology]], path: Path | None = None,
                 fits: dict | None = None) -> Path:
-    """Write (merge) tuned topologies into the tuning file; returns its path."""
+    """Write (kind, topology) pairs into the tuning file, replacing those of the same kind and
+    rank count and keeping the rest; returns the file's path."""
     path = tuning_path() if path is None else path
-    current = {kind: t.to_json() for kind, t in load_tuning(path).items()} if path.exists() else {}
-    current.update({kind: t.to_json() for kind, t in topologies.items()})
-    body = {"transports": current}
+    current = load_tuning(path)
+    for kind, topology in topologies:
+        kept = [t for t in current.get(kind, []) if t.nranks != topology.nranks]
+        current[kind] = sorted(kept + [topology], key=lambda t: t.nranks)
+    body: dict = {"transports": {k: [t.to_json() for t in v] for k, v in current.items()}}
     if fits:
         body["fits"] = fits
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=1) + "\n")
     return path
+
+
+def nearest(topologies: list[Topology], nranks: int) -> Topology | None:
+    """The topology tuned at the rank count closest to ``nranks`` (by ratio), if any."""
+    if not topologies:
+        return None
+    return min(topologies, key=lambda t: (abs(math.log(max(t.nranks, 1) / nranks)), t.nranks))
 
 
 def busbw_factor(collective: Collective, nranks: int) -> float:

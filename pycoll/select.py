@@ -106,7 +106,7 @@ def plan_for(
     root: int | None = None,
 ) -> Plan:
     """The family and segment count for ``collective`` on ``nbytes`` over ``nranks`` ranks."""
-    topology = DEFAULTS["local"] if topology is None else topology
+    topology = (DEFAULTS["local"] if topology is None else topology).at(nbytes)
     reason = "lowest predicted time"
     families = None
     if algorithm == "auto":
@@ -186,14 +186,16 @@ def _affine(key: tuple, topology: model.Topology, itemsize: int, nchunks: int):
 
 
 def topology_for(comm, space) -> model.Topology:
-    """The costs for ``comm``'s transport to ``space``'s arrays: tuned, else the defaults.
-    Under MPI rank 0 reads the tuning file and every rank uses its copy, so that all ranks
-    choose alike."""
+    """The costs for ``comm``'s transport to ``space``'s arrays: tuned (at the nearest rank
+    count), else the defaults. Under MPI rank 0 reads the tuning file and every rank uses its
+    copy, so that all ranks choose alike."""
     kind = "cuda" if space.is_device else ("mpi" if comm.mpi_comm is not None else "local")
     cached = comm.topologies.get(kind)
     if cached is not None:
         return cached
-    tuned = model.load_tuning().get(kind) if comm.rank == 0 or comm.mpi_comm is None else None
+    tuned = None
+    if comm.rank == 0 or comm.mpi_comm is None:
+        tuned = model.nearest(model.load_tuning().get(kind, []), comm.size)
     if comm.mpi_comm is not None:
         tuned = comm.transport.comm.bcast(tuned, root=0)
     topology = tuned or DEFAULTS[kind]

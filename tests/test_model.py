@@ -8,6 +8,7 @@ evenly so the formulas are exact.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -183,7 +184,12 @@ def test_topology_files_round_trip_and_reject_unknown_keys(tmp_path):
     with pytest.raises(ValueError, match="unreadable"):
         model.load_tuning(path)
     good = tmp_path / "tuning.json"
-    model.save_tuning({"mpi": topology}, good)
-    model.save_tuning({"local": model.Topology()}, good)  # merges
+    model.save_tuning([("mpi", replace(topology, nranks=2))], good)
+    model.save_tuning([("mpi", replace(topology, nranks=4)), ("local", model.Topology())], good)
+    model.save_tuning([("mpi", replace(topology, nranks=4, ports="single"))], good)  # replaces
     loaded = model.load_tuning(good)
-    assert set(loaded) == {"mpi", "local"} and loaded["mpi"].ranks_per_node == 8
+    assert set(loaded) == {"mpi", "local"}
+    assert [(t.nranks, t.ports) for t in loaded["mpi"]] == [(2, "multi"), (4, "single")]
+    assert model.nearest(loaded["mpi"], 3).nranks == 4
+    assert model.nearest(loaded["mpi"], 2).nranks == 2
+    assert model.nearest(loaded["mpi"], 64).nranks == 4 and model.nearest([], 4) is None

@@ -39,7 +39,7 @@ def test_latency_picks_few_messages_and_bandwidth_picks_the_ring(monkeypatch, tm
     path = tmp_path / "tuning.json"
     monkeypatch.setenv(model.TUNING_ENV, str(path))
     slow_start = model.Topology(intra=model.Link(1e-3, 1e-10), gamma=1e-11, delta=0.0)
-    model.save_tuning({"local": slow_start}, path)
+    model.save_tuning([("local", slow_start)], path)
     small = plan_on(8, "allreduce", 64)
     large = plan_on(8, "allreduce", 64 << 20)
     assert small.algorithm in ("halving_doubling", "tree") and small.nsegments == 1
