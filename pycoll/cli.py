@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--output", metavar="PATH",
                       help="tuning file (default: $PYCOLL_TUNING, else ~/.cache/pycoll)")
     tune.add_argument("--repeats", type=int, default=15, help="timed runs per point")
+    tune.add_argument("-e", "--max-bytes", default="32M",
+                      help="largest message and buffer measured (default 32M)")
+    tune.add_argument("--ranks", default="2,4", help="in-process rank counts to tune at")
     compare = commands.add_parser(
         "compare", help="every algorithm and auto side by side against the model: table + PNG"
     )
@@ -73,8 +76,21 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--ranks", type=int, help="in-process ranks (default: the MPI job)")
     compare.add_argument("--output", metavar="PREFIX",
                          help="writes PREFIX.md and PREFIX.png (default compare-COLLECTIVE-N)")
+    scale = commands.add_parser(
+        "model", help="predicted time and busbw per algorithm at scale, on a topology"
+    )
+    scale.add_argument("collective", nargs="?", default="allreduce")
+    scale.add_argument("--ranks", default="8,64,512,4096", help="comma-separated rank counts")
+    scale.add_argument("--topology", default="nvlink-ib",
+                       help="a built-in name (nvlink-ib, ethernet), 'tuned', or a JSON file")
+    scale.add_argument("-b", "--min-bytes", default="8")
+    scale.add_argument("-e", "--max-bytes", default="1G")
+    scale.add_argument("-f", "--step-factor", type=int, default=16)
+    scale.add_argument("-d", "--dtype", default="float32")
     args = parser.parse_args(argv)
 
+    if args.command == "model":
+        return _model(args)
     if args.command == "compare":
         return _compare(args, argv)
     if args.command == "tune":
@@ -192,6 +208,42 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
     return 0 if all(sum(p.wrong.values()) == 0 for p in result.points) else 1
 
 
+def _model(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from pycoll import bench, scaling
+    from pycoll.kernels import check_dtype
+
+    try:
+        collective = bench.COLLECTIVES.get(args.collective)
+        if collective is None or collective is bench.Collective.ALLTOALL:
+            raise ValueError(f"collective={args.collective!r}; allowed: allreduce, "
+                             "reduce_scatter, allgather, broadcast, reduce")
+        try:
+            ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+        except ValueError:
+            ranks = []
+        if not ranks or any(r < 1 for r in ranks):
+            raise ValueError(f"--ranks={args.ranks!r}; allowed: comma-separated ints >= 1")
+        topology = scaling.topology_named(args.topology)
+        itemsize = np.dtype(check_dtype(args.dtype)).itemsize
+        sizes = bench.sizes(bench.parse_size(args.min_bytes), bench.parse_size(args.max_bytes),
+                            args.step_factor)
+        rows = scaling.table(collective, ranks, sizes, topology, itemsize=itemsize)
+    except (ValueError, TypeError) as error:
+        print(f"pycoll model: {error}", file=sys.stderr)
+        return 2
+    print(scaling.format_table(collective, rows, topology))
+    families = {e.algorithm for e in rows[0]}
+    if {"ring", "tree"} <= families:
+        for p in ranks:
+            size = scaling.crossover(collective, p, topology, "tree", "ring",
+                                     low=sizes[0], high=sizes[-1], itemsize=itemsize)
+            where = "never" if size is None else f"up to {scaling._size(size)} at least"
+            print(f"# {p} ranks: tree predicted faster than ring {where} (sizes x4 apart)")
+    return 0
+
+
 def _tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -201,7 +253,20 @@ def _tune(args: argparse.Namespace) -> int:
         print(f"pycoll tune: --repeats={args.repeats}; allowed: an int >= 1", file=sys.stderr)
         return 2
     try:
-        tune.tune(Path(args.output) if args.output else None, args.repeats)
+        from pycoll import bench
+
+        largest = bench.parse_size(args.max_bytes)
+        sizes = [b for b in tune.STEP_SIZES if b <= largest]
+        local = [b for b in tune.LOCAL_SIZES if b <= largest] or [largest]
+        try:
+            local_ranks = tuple(int(r) for r in args.ranks.split(",") if r.strip())
+        except ValueError:
+            local_ranks = ()
+        if not local_ranks or any(r < 2 for r in local_ranks) or not sizes:
+            raise ValueError(f"--ranks={args.ranks!r} --max-bytes={args.max_bytes!r}; "
+                             "allowed: rank counts >= 2 and a size >= 8")
+        tune.tune(Path(args.output) if args.output else None, args.repeats, sizes,
+                  local_ranks, local_sizes=local)
     except (ValueError, OSError) as error:
         print(f"pycoll tune: {error}", file=sys.stderr)
         return 2

@@ -38,8 +38,14 @@ from pycoll.schedule import ROOTED, Collective, Layout, Schedule, split
 
 @dataclass(frozen=True)
 class Link:
-    alpha: float  # seconds per message round
+    alpha: float  # seconds per message
     beta: float  # seconds per byte
+    # measured seconds per byte by message size, ((bytes, seconds per byte), ...): large
+    # messages leave the caches, so they move slower per byte; empty: beta at every size
+    curve: tuple = ()
+
+    def per_byte(self, nbytes: int) -> float:
+        return _interpolate(self.curve, nbytes) if self.curve else self.beta
 
 
 @dataclass(frozen=True)
@@ -67,20 +73,24 @@ class Topology:
         return self.inter
 
     def at(self, nbytes: int) -> Topology:
-        """These costs for a call of ``nbytes``: each measured per-byte cost read off its
-        curve at the call's size (rounded to a power of two; between points by log-linear
-        interpolation, beyond the ends the end's value); without curves, unchanged."""
+        """These costs for a call of ``nbytes``: the reduction and copy costs read off their
+        curves at the call's size (its working set; rounded to a power of two, log-linear
+        between points, the end's value beyond the ends), the links' curves attached to the
+        links (read per message); without curves, unchanged."""
         if not self.curves:
             return self
         size = 1 << max(0, round(math.log2(max(nbytes, 1))))
-        values = {name: _interpolate(points, size) for name, points in self.curves}
-        intra = replace(self.intra, beta=values.get("intra", self.intra.beta))
-        inter = replace(self.inter, beta=values.get("inter", self.inter.beta))
-        return replace(self, intra=intra, inter=inter, gamma=values.get("gamma", self.gamma),
-                       delta=values.get("delta", self.delta), curves=())
+        curves = dict(self.curves)
+        intra = replace(self.intra, curve=curves.get("intra", ()))
+        inter = replace(self.inter, curve=curves.get("inter", ()))
+        gamma = _interpolate(curves["gamma"], size) if "gamma" in curves else self.gamma
+        delta = _interpolate(curves["delta"], size) if "delta" in curves else self.delta
+        return replace(self, intra=intra, inter=inter, gamma=gamma, delta=delta, curves=())
 
     def to_json(self) -> dict:
         data = asdict(self)
+        for name in ("intra", "inter"):
+            data[name].pop("curve", None)
         data["curves"] = {name: [list(p) for p in points] for name, points in self.curves}
         return data
 
@@ -102,6 +112,7 @@ class Topology:
         for name in ("intra", "inter"):
             if name in values and not isinstance(values[name], Link):
                 values[name] = Link(float(values[name]["alpha"]), float(values[name]["beta"]))
+        # a link's own curve is filled in by ``at``; files keep curves in ``curves``
         topology = cls(**values)
         if topology.ports not in ("single", "multi"):
             raise ValueError(f"topology ports={topology.ports!r}; allowed: 'single', 'multi'")
@@ -241,17 +252,41 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
     return Prediction(max(f[-1] for f in finish) if finish else 0.0, longest, most_sent)
 
 
+def play_lockstep(program: Program, topology: Topology, itemsize: int, rank: int) -> float:
+    """One rank's program played alone, every partner assumed ready when it is: the time of
+    a rank-symmetric schedule, whose ranks all do the same at the same moments."""
+    seconds = topology.call + topology.delta * itemsize * sum(
+        stop - start for start, stop, *_ in program.seeds
+    )
+    for incoming, outgoing in program.steps:
+        step = _Step()
+        for r in incoming:
+            link, size = topology.link(rank, r.peer), (r.stop - r.start) * itemsize
+            step.alpha = max(step.alpha, link.alpha)
+            step.messages_in += 1
+            step.received[_key(link, r.peer, topology)] += size
+            if r.scratch >= 0:
+                step.reduced += size
+        for t in outgoing:
+            link, size = topology.link(rank, t.peer), (t.stop - t.start) * itemsize
+            step.alpha = max(step.alpha, link.alpha)
+            step.messages_out += 1
+            step.sent[_key(link, t.peer, topology)] += size
+        seconds += _cost(step, topology)
+    return seconds
+
+
 def _key(link: Link, peer: int, topology: Topology):
     return (id(link), peer) if topology.ports == "multi" else id(link)
 
 
 def _cost(step: _Step, topology: Topology) -> float:
-    betas = {id(topology.intra): topology.intra.beta, id(topology.inter): topology.inter.beta}
+    links = {id(topology.intra): topology.intra, id(topology.inter): topology.inter}
     moved = 0.0
     for table in (step.sent, step.received):
         for key, size in table.items():
-            link = key[0] if isinstance(key, tuple) else key
-            moved = max(moved, betas[link] * size)
+            link = links[key[0] if isinstance(key, tuple) else key]
+            moved = max(moved, link.per_byte(size) * size)
     messages = 1 if topology.ports == "multi" else max(step.messages_out, step.messages_in)
     return step.alpha * messages + moved + topology.gamma * step.reduced
 

@@ -20,6 +20,8 @@ pairs with the k-th receive at b from a, as MPI's ordered matching does.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -79,6 +81,7 @@ class Schedule:
     steps: tuple[tuple[Step, ...], ...]  # steps[rank]: that rank's steps, in order
     root: int | None = None  # Broadcast/Reduce root; the sender of Send/Recv
     peer: int | None = None  # the receiver of Send/Recv
+    only: frozenset[int] | None = None  # built for these ranks alone (``building_only``)
 
     @property
     def nchunks(self) -> int:
@@ -119,6 +122,15 @@ class Schedule:
                     else:
                         recvs.setdefault((t.peer, rank), []).append((index, position, t))
         joined = set()
+        if self.only is not None:  # the partners' steps are not here: read one side alone
+            for table, kind in ((sends, "send"), (recvs, "recv")):
+                for (src, dst), mine in table.items():
+                    rank = src if kind == "send" else dst
+                    for (s0, _, a), (s1, p1, b) in zip(mine, mine[1:]):
+                        same = (a.buffer is b.buffer) if kind == "send" else (a.reduce == b.reduce)
+                        if s0 == s1 and b.chunk == a.chunk + 1 and same:
+                            joined.add((rank, s1, p1))
+            return frozenset(joined)
         for (src, dst), out in sends.items():
             into = recvs.get((src, dst), [])
             for k in range(1, min(len(out), len(into))):
@@ -199,6 +211,24 @@ def result_chunks(schedule: Schedule, rank: int) -> range:
     return range(schedule.nchunks)
 
 
+# Build only these ranks' steps (None: every rank's): for costing a rank-symmetric schedule
+# at a scale where every rank's steps would not fit (see ``building_only``).
+_ONLY_RANKS: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar(
+    "only_ranks", default=None
+)
+
+
+@contextlib.contextmanager
+def building_only(ranks: frozenset[int]) -> Iterator[None]:
+    """Within this block, schedules hold the steps of ``ranks`` only; the others' are empty.
+    Such a schedule is for costing one rank, never for running or checking."""
+    token = _ONLY_RANKS.set(frozenset(ranks))
+    try:
+        yield
+    finally:
+        _ONLY_RANKS.reset(token)
+
+
 @dataclass
 class ScheduleBuilder:
     """Collects each rank's transfers in program order and packs them into steps.
@@ -218,10 +248,20 @@ class ScheduleBuilder:
     peer: int | None = None
     _done: list[list[Step]] = field(init=False)
     _open: list[list[Transfer]] = field(init=False)
+    _busy: set[int] = field(init=False)  # ranks with an open step
+    _only: frozenset[int] | None = field(init=False)
+    # per rank, the open step's chunks received into (-> reduce flag) and sent from WORK,
+    # so that checking a transfer against the open step costs O(1), not O(step)
+    _received: list[dict[int, bool]] = field(init=False)
+    _sent: list[set[int]] = field(init=False)
 
     def __post_init__(self) -> None:
         self._done = [[] for _ in range(self.nranks)]
         self._open = [[] for _ in range(self.nranks)]
+        self._received = [{} for _ in range(self.nranks)]
+        self._sent = [set() for _ in range(self.nranks)]
+        self._busy = set()
+        self._only = _ONLY_RANKS.get()
 
     def chunk(self, block: int, segment: int = 0) -> int:
         return block * self.nsegments + segment
@@ -230,9 +270,26 @@ class ScheduleBuilder:
         return range(self.chunk(block), self.chunk(block + 1))
 
     def add(self, rank: int, transfer: Transfer) -> None:
-        if _conflicts(self._open[rank], transfer):
+        if self._only is not None and rank not in self._only:
+            return
+        received, sent = self._received[rank], self._sent[rank]
+        if isinstance(transfer, Send):
+            conflict = transfer.buffer is Buffer.WORK and transfer.chunk in received
+        else:  # the rules of step_hazard, on the open step's sets
+            known = received.get(transfer.chunk)
+            conflict = transfer.chunk in sent or (
+                known is not None and not (transfer.reduce and known)
+            )
+        if conflict:
             self.end_step(rank)
+            received, sent = self._received[rank], self._sent[rank]
+        if isinstance(transfer, Send):
+            if transfer.buffer is Buffer.WORK:
+                sent.add(transfer.chunk)
+        else:
+            received[transfer.chunk] = transfer.reduce and received.get(transfer.chunk, True)
         self._open[rank].append(transfer)
+        self._busy.add(rank)
 
     def transfer(
         self,
@@ -249,10 +306,13 @@ class ScheduleBuilder:
         self.add(dst, Recv(src, chunk if dst_chunk is None else dst_chunk, reduce))
 
     def end_step(self, rank: int | None = None) -> None:
-        for r in range(self.nranks) if rank is None else (rank,):
+        for r in list(self._busy) if rank is None else (rank,):
             if self._open[r]:
                 self._done[r].append(tuple(self._open[r]))
                 self._open[r] = []
+                self._received[r] = {}
+                self._sent[r] = set()
+            self._busy.discard(r)
 
     def build(self) -> Schedule:
         self.end_step()
@@ -265,6 +325,7 @@ class ScheduleBuilder:
             steps=tuple(tuple(rank_steps) for rank_steps in self._done),
             root=self.root,
             peer=self.peer,
+            only=self._only,
         )
 
 
@@ -281,7 +342,3 @@ def step_hazard(step: Step | list[Transfer], transfer: Transfer) -> str | None:
     if transfer.chunk in received and not (transfer.reduce and received[transfer.chunk]):
         return f"receives into chunk {transfer.chunk} twice in one step, not both reducing"
     return None
-
-
-def _conflicts(step: list[Transfer], transfer: Transfer) -> bool:
-    return step_hazard(step, transfer) is not None

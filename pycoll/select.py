@@ -158,31 +158,26 @@ def rank_candidates(
 
 
 def estimate(collective, family, nranks, nsegments, root, topology, itemsize, count) -> float:
-    """The model's time for ``count`` elements: exact for a small call; otherwise the affine
-    fit through two exact plays at sizes that fill every chunk evenly (a schedule's cost is
-    affine in the size once no chunk is empty), so a size sweep plays each schedule twice."""
+    """The model's time for ``count`` elements: exact for a small call; otherwise linear
+    between exact plays at the powers of two around ``count`` (cached), so that a size sweep
+    plays each schedule about once per size, whatever the rank count."""
     key = (collective, family, nranks, nsegments, root)
     nchunks = build(family, collective, nranks, nsegments, root).nchunks
     if count <= 64 * nchunks:
         return _exact(key, topology, itemsize, count)
-    fixed, per_element = _affine(key, topology, itemsize, nchunks)
-    return fixed + per_element * count
+    low = 1 << (count.bit_length() - 1)
+    if low == count:
+        return _exact(key, topology, itemsize, count)
+    t_low = _exact(key, topology, itemsize, low)
+    t_high = _exact(key, topology, itemsize, 2 * low)
+    return t_low + (t_high - t_low) * (count - low) / low
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=8192)
 def _exact(key: tuple, topology: model.Topology, itemsize: int, count: int) -> float:
     collective, family, nranks, nsegments, root = key
     schedule = build(family, collective, nranks, nsegments, root)
     return model.play(model.programs(schedule, count), topology, itemsize).seconds
-
-
-@functools.lru_cache(maxsize=1024)
-def _affine(key: tuple, topology: model.Topology, itemsize: int, nchunks: int):
-    small, large = 64 * nchunks, 4096 * nchunks
-    t_small = _exact(key, topology, itemsize, small)
-    t_large = _exact(key, topology, itemsize, large)
-    per_element = (t_large - t_small) / (large - small)
-    return t_small - per_element * small, per_element
 
 
 def topology_for(comm, space) -> model.Topology:

@@ -173,16 +173,18 @@ class Tuned:
 
 
 def tune_comm(comm: Communicator, kind: str, repeats: int = 15,
-              sizes: list[int] | None = None) -> Tuned | None:
+              sizes: list[int] | None = None, local_sizes: list[int] | None = None
+              ) -> Tuned | None:
     """Measure and fit on ``comm`` (every rank calls it); the result on rank 0, else None."""
     sizes = STEP_SIZES if sizes is None else sizes
+    local_sizes = LOCAL_SIZES if local_sizes is None else local_sizes
     nodes = [0] * comm.size
     if comm.mpi_comm is not None:
         from pycoll.bindings.mpi import node_of_each_rank
 
         nodes = node_of_each_rank(comm.mpi_comm)
     call = measure_call(comm, repeats)
-    reduce_points, copy_points = measure_local(comm, LOCAL_SIZES, repeats)
+    reduce_points, copy_points = measure_local(comm, local_sizes, repeats)
     by_node: dict[int, list[int]] = {}
     for rank, node in enumerate(nodes):
         by_node.setdefault(node, []).append(rank)
@@ -235,20 +237,21 @@ def tune_comm(comm: Communicator, kind: str, repeats: int = 15,
 
 
 def tune(path=None, repeats: int = 15, sizes: list[int] | None = None,
-         local_ranks: tuple[int, ...] = (2, 4), print_: Callable[[str], None] = print
-         ) -> list[Tuned]:
+         local_ranks: tuple[int, ...] = (2, 4), print_: Callable[[str], None] = print,
+         local_sizes: list[int] | None = None) -> list[Tuned]:
     """Tune every transport present and write the tuning file (on rank 0): MPI at the job's
     rank count, in-process threads at each of ``local_ranks``."""
     results = []
     world = pycoll.world()
     if world.mpi_comm is not None and world.size > 1:
-        tuned = tune_comm(world, "mpi", repeats, sizes)
+        tuned = tune_comm(world, "mpi", repeats, sizes, local_sizes)
         if tuned is not None:
             results.append(tuned)
     if world.rank == 0:
         for nranks in local_ranks:
             local = pycoll.run_local(
-                nranks, lambda: tune_comm(pycoll.world(), "local", repeats, sizes)
+                nranks,
+                lambda: tune_comm(pycoll.world(), "local", repeats, sizes, local_sizes),
             )
             results.append(local[0])
         written = model.save_tuning(

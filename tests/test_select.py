@@ -94,11 +94,11 @@ def test_plan_rejects_bad_arguments(args, message):
         plan_on(2, *args, **kwargs)
 
 
-def test_the_affine_estimate_matches_an_exact_play():
+def test_the_estimate_between_powers_of_two_matches_an_exact_play():
     topology = select.DEFAULTS["mpi"]
     for family in ("ring", "tree", "halving_doubling", "direct"):
         for count in (7 * 4096 * 64, 123_457 * 8):
             fast = select.estimate(Collective.ALLREDUCE, family, 7, 2, None, topology, 4, count)
             schedule = pycoll.algorithms.build(family, Collective.ALLREDUCE, 7, 2)
             exact = model.play(model.programs(schedule, count), topology, 4).seconds
-            assert fast == pytest.approx(exact, rel=1e-3)
+            assert fast == pytest.approx(exact, rel=1e-2)

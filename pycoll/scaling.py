@@ -1,0 +1,167 @@
+"""`pycoll model`: predicted time and busbw per algorithm at scale, on a named topology.
+
+Every prediction plays the algorithm's own schedule (:mod:`pycoll.model`). Two schedules
+grow as the square of the rank count (ring: 2(p-1) steps on each of p ranks; direct: p-1
+messages on each; halving-doubling's transfers are per block, merged into log2 p messages
+only when compiled), too many to hold at thousands of ranks; all are rank-symmetric (halving-
+doubling for powers of two), so beyond
+``FULL_LIMIT`` ranks one rank's steps are built (``building_only``) and played in lockstep:
+every step costs what it costs that rank, as every rank does the same (the tests check this
+equals the full play). Their segment count is then 1 (a ring's segments run one after
+another, so under the model more only add alphas). Direct is left out beyond 512 ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from pycoll import algorithms, model
+from pycoll.execute import compile_program
+from pycoll.schedule import ROOTED, Collective, Layout, building_only, split
+
+FULL_LIMIT = 64  # beyond this, symmetric schedules are played on one rank (same result)
+DIRECT_LIMIT = 512  # p-1 messages per rank: not a candidate beyond
+_SHARDED = {Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.ALLGATHER}
+LOCKSTEP = {"ring": _SHARDED, "direct": _SHARDED, "halving_doubling": _SHARDED}
+
+
+def builtin_topologies() -> dict[str, model.Topology]:
+    text = resources.files("pycoll").joinpath("data/topologies.json").read_text()
+    return {name: model.Topology.from_json(entry, source="built-in")
+            for name, entry in json.loads(text).items() if not name.startswith("_")}
+
+
+def topology_named(name_or_path: str) -> model.Topology:
+    """A built-in topology by name, "tuned" (this machine's MPI tuning), or a JSON file."""
+    builtins = builtin_topologies()
+    if name_or_path in builtins:
+        return builtins[name_or_path]
+    if name_or_path == "tuned":
+        tuned = model.load_tuning().get("mpi") or model.load_tuning().get("local")
+        if not tuned:
+            raise ValueError("--topology tuned: no tuning file; run `pycoll tune` first")
+        return max(tuned, key=lambda t: t.nranks)
+    path = Path(name_or_path)
+    if not path.exists():
+        raise ValueError(
+            f"--topology {name_or_path!r} is neither a built-in topology nor a file; allowed: "
+            + ", ".join(sorted(builtins)) + ", tuned, or a JSON file like pycoll/data/"
+            "topologies.json's entries"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--topology {path}: not JSON ({error})") from error
+    return model.Topology.from_json(data, source=str(path))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    nranks: int
+    nbytes: int
+    algorithm: str
+    nsegments: int
+    seconds: float
+    busbw: float
+    how: str  # "every rank" or "one rank, lockstep"
+
+
+@functools.lru_cache(maxsize=4096)
+def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: int,
+                     topology: model.Topology, itemsize: int = 4) -> Estimate:
+    """The best segment count's prediction for ``family`` (see the module docstring)."""
+    count = nbytes // itemsize
+    topology = topology.at(nbytes)
+    root = 0 if collective in ROOTED else None
+    best = None
+    lockstep = nranks > FULL_LIMIT and collective in LOCKSTEP.get(family, set()) and (
+        family != "halving_doubling" or nranks & (nranks - 1) == 0  # symmetric: powers of 2
+    )
+    for nsegments in (1,) if lockstep else model.SEGMENT_CHOICES:
+        if nsegments > 1 and count < 4 * nsegments * nranks:
+            break
+        if lockstep:
+            seconds = _lockstep(collective, family, nranks, count, topology, itemsize)
+        else:
+            schedule = algorithms.build(family, collective, nranks, nsegments, root)
+            seconds = model.play(model.programs(schedule, count), topology, itemsize).seconds
+        if best is None or seconds < best[1]:
+            best = (nsegments, seconds)
+    nsegments, seconds = best
+    factor = model.busbw_factor(collective, nranks)
+    busbw = nbytes / seconds / 1e9 * factor if seconds > 0 else 0.0
+    how = "one rank, lockstep" if lockstep else "every rank"
+    return Estimate(nranks, nbytes, family, nsegments, seconds, busbw, how)
+
+
+def _lockstep(collective, family, nranks, count, topology, itemsize) -> float:
+    schedule = _rank_zero_schedule(collective, family, nranks)
+    # Every chunk holds data, so that rank 0 does what every rank does (with fewer elements
+    # than blocks, empty transfers would drop out on some ranks and not on others).
+    count = max(count, schedule.nchunks)
+    work_blocks = split(count, schedule.nblocks)
+    work = Layout(work_blocks, 1)
+    source = Layout([work_blocks[0]], 1) if collective is Collective.ALLGATHER else work
+    program = compile_program(schedule, 0, source, work)
+    return model.play_lockstep(program, topology, itemsize, rank=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_zero_schedule(collective: Collective, family: str, nranks: int):
+    emit = algorithms.FAMILIES[family].SCHEDULES[collective]
+    with building_only(frozenset({0})):
+        return emit(nranks, 1)
+
+
+def table(collective: Collective, ranks: list[int], sizes: list[int], topology: model.Topology,
+          families: list[str] | None = None, itemsize: int = 4) -> list[list[Estimate]]:
+    """For every (rank count, size): every family's estimate."""
+    families = families or [f for f in algorithms.families_for(collective)
+                            if not (f == "direct" and max(ranks) > DIRECT_LIMIT)]
+    rows = []
+    for p in ranks:
+        for nbytes in sizes:
+            rows.append([predict_at_scale(collective, f, p, nbytes, topology, itemsize)
+                         for f in families])
+    return rows
+
+
+def crossover(collective: Collective, p: int, topology: model.Topology, a: str, b: str,
+              low: int = 8, high: int = 1 << 32, itemsize: int = 4) -> int | None:
+    """The largest power-of-two size (bytes) at which ``a`` still predicts faster than
+    ``b`` at ``p`` ranks, scanning up from ``low`` (None: ``a`` is never faster)."""
+    last = None
+    size = low
+    while size <= high:
+        ta = predict_at_scale(collective, a, p, size, topology, itemsize).seconds
+        tb = predict_at_scale(collective, b, p, size, topology, itemsize).seconds
+        if ta < tb:
+            last = size
+        size *= 4
+    return last
+
+
+def format_table(collective: Collective, rows: list[list[Estimate]], topology: model.Topology
+                 ) -> str:
+    lines = [f"# pycoll model: {collective.value} on {topology.name}",
+             "| ranks | size | " + " | ".join(
+                 f"{e.algorithm} µs (busbw GB/s)" for e in rows[0]) + " | fastest |",
+             "|---|---|" + "---|" * (len(rows[0]) + 1)]
+    for row in rows:
+        fastest = min(row, key=lambda e: e.seconds)
+        cells = [f"{e.seconds * 1e6:.1f} ({e.busbw:.1f})"
+                 + (f" ×{e.nsegments}" if e.nsegments > 1 else "") for e in row]
+        lines.append(f"| {row[0].nranks} | {_size(row[0].nbytes)} | " + " | ".join(cells)
+                     + f" | {fastest.algorithm} |")
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit} {name}"
+    return f"{nbytes} B"

@@ -1,0 +1,82 @@
+"""The calibration and comparison tools: pycoll tune, compare and model, end to end on tiny
+sweeps (their real runs are committed under bench/results/ and docs/scaling.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pycoll import algorithms, model, scaling, tune
+from pycoll.cli import main
+from pycoll.schedule import Collective
+
+
+def test_tune_measures_fits_and_writes_a_tuning_file(tmp_path, capsys):
+    path = tmp_path / "tuning.json"
+    assert main(["tune", "--output", str(path), "--repeats", "2", "-e", "256K",
+                 "--ranks", "2,3"]) == 0
+    out = capsys.readouterr().out
+    assert "# local: alpha" in out and "residual" in out and f"# wrote {path}" in out
+    tuned = model.load_tuning(path)["local"]
+    assert [t.nranks for t in tuned] == [2, 3]
+    for topology in tuned:
+        assert topology.intra.alpha > 0 and topology.gamma > 0 and topology.delta > 0
+        assert dict(topology.curves).keys() >= {"gamma", "delta", "intra"}
+    assert set(json.loads(path.read_text())["fits"]) == {"local@2", "local@3"}
+
+
+def test_a_line_fit_recovers_its_line_and_reports_residuals():
+    points = [(b, 5e-6 + b * 1e-10) for b in (8, 1024, 1 << 20)]
+    line = tune.fit("exact", points)
+    assert line.fixed == pytest.approx(5e-6) and line.per_byte == pytest.approx(1e-10)
+    assert line.worst_residual() < 1e-9 and "+0.0%" in line.table()
+
+
+def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
+    prefix = tmp_path / "cmp"
+    assert main(["compare", "allreduce", "--ranks", "3", "-b", "1K", "-e", "64K", "-f", "8",
+                 "-n", "3", "-w", "1", "--output", str(prefix)]) == 0
+    table = (tmp_path / "cmp.md").read_text()
+    assert "| 1 KiB |" in table and "| 64 KiB |" in table and "auto vs fastest" in table
+    assert "Made by `pycoll compare allreduce --ranks 3" in table
+    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["compare", "alltoall", "--ranks", "2"], "nothing to compare"),
+    (["model", "--ranks", "0"], "--ranks='0'"),
+    (["model", "--topology", "moon"], "neither a built-in topology nor a file"),
+    (["model", "gather"], "collective='gather'"),
+    (["tune", "--repeats", "0"], "--repeats=0"),
+])
+def test_tools_name_bad_arguments(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_command_prints_every_algorithm_and_the_crossover(capsys):
+    assert main(["model", "--ranks", "4,16", "-b", "16", "-e", "1M", "-f", "256",
+                 "--topology", "ethernet"]) == 0
+    out = capsys.readouterr().out
+    assert "| 16 | 1 MiB |" in out and "halving_doubling" in out
+    assert "# 16 ranks: tree predicted faster than ring" in out
+
+
+def test_topology_files_load_by_path(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(scaling.builtin_topologies()["ethernet"].to_json()))
+    assert scaling.topology_named(str(path)).ranks_per_node == 1
+
+
+@pytest.mark.parametrize("family", ["ring", "direct", "halving_doubling"])
+@pytest.mark.parametrize("p", [8, 16, 32])
+def test_one_rank_in_lockstep_equals_every_rank_for_symmetric_schedules(family, p):
+    """What `pycoll model` does beyond FULL_LIMIT ranks, checked where both run."""
+    topology = scaling.builtin_topologies()["nvlink-ib"]  # two link classes
+    for count in (p, 3 * p, p * 4096):  # even blocks: every rank does the same
+        schedule = algorithms.build(family, Collective.ALLREDUCE, p)
+        full = model.play(model.programs(schedule, count), topology, 4).seconds
+        alone = scaling._lockstep(Collective.ALLREDUCE, family, p, count, topology, 4)
+        assert alone == pytest.approx(full, rel=1e-12)
