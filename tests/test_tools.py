@@ -80,3 +80,33 @@ def test_one_rank_in_lockstep_equals_every_rank_for_symmetric_schedules(family, 
         full = model.play(model.programs(schedule, count), topology, 4).seconds
         alone = scaling._lockstep(Collective.ALLREDUCE, family, p, count, topology, 4)
         assert alone == pytest.approx(full, rel=1e-12)
+
+
+def test_tune_and_compare_under_mpiexec(tmp_path):
+    """The MPI kind: node detection, pairs of MPI ranks, rank 0 writing for all."""
+    import os
+    import subprocess
+    import sys
+
+    from test_mpi import mpiexec
+
+    path = tmp_path / "tuning.json"
+    env = {**os.environ, "PYCOLL_TUNING": str(path)}
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "pycoll", "tune", "-e", "64K",
+         "--repeats", "2", "--ranks", "2"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    tuned = model.load_tuning(path)
+    assert [t.nranks for t in tuned["mpi"]] == [2] and tuned["mpi"][0].intra.alpha > 0
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "pycoll", "compare", "allgather", "-b",
+         "1K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1", "--output",
+         str(tmp_path / "cmp")],
+        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = (tmp_path / "cmp.md").read_text()
+    assert "allgather, 2 ranks (MPI)" in table and "mpiexec -n 2 pycoll compare" in table
+    assert "tuned at 2 ranks" in table
