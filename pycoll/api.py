@@ -9,7 +9,6 @@ read as flat sequences of elements; the sharded collectives split along the firs
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -36,7 +35,8 @@ def allreduce(
     stream: Any = None,
 ) -> Array:
     """Combine ``x`` over all ranks with ``op``; every rank gets the whole result."""
-    comm, op, space = _comm(comm), _op(op, x, "allreduce"), _space(x, "allreduce")
+    comm, space = _comm(comm), _space(x, "allreduce")
+    op = _op(op, x, "allreduce")
     with space.using(stream):
         out = _out(out, x, x.shape, "allreduce", may_alias=True)
         _run(comm, Collective.ALLREDUCE, x, out, op, algorithm)
@@ -56,7 +56,8 @@ def reduce_scatter(
     stream: Any = None,
 ) -> Array:
     """Combine ``x`` over all ranks; rank r gets rows ``sum(counts[:r])`` up to the next."""
-    comm, op, space = _comm(comm), _op(op, x, "reduce_scatter"), _space(x, "reduce_scatter")
+    comm, space = _comm(comm), _space(x, "reduce_scatter")
+    op = _op(op, x, "reduce_scatter")
     rows = _rows(x, "reduce_scatter")
     counts = _counts(counts, rows, comm.size, "reduce_scatter", "len(x)")
     shape = (counts[comm.rank], *x.shape[1:])
@@ -135,7 +136,8 @@ def reduce(
     stream: Any = None,
 ) -> Array | None:
     """Combine ``x`` over all ranks at ``root``; returns the result there, None elsewhere."""
-    comm, op, space = _comm(comm), _op(op, x, "reduce"), _space(x, "reduce")
+    comm, space = _comm(comm), _space(x, "reduce")
+    op = _op(op, x, "reduce")
     root = _root(root, comm, "reduce")
     with space.using(stream):
         if comm.rank == root:
@@ -313,7 +315,7 @@ _OPS_BY_NAME = {op.value: op for op in ReduceOp}
 
 
 def _op(op: OpLike, x: Array, collective: str) -> ReduceOp:
-    _space(x, collective)
+    """The parsed ``op``, for an ``x`` already checked by ``_space``."""
     parsed = op if isinstance(op, ReduceOp) else _OPS_BY_NAME.get(op) if type(op) is str else None
     if parsed is None:
         parsed = ReduceOp.parse(op)  # other spellings, or the error naming the allowed ones
@@ -360,7 +362,7 @@ def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
 
 
 def _out(out, x, shape, collective, may_alias=False) -> Array:
-    space = space_of(x)
+    space = space_of(x)  # x was checked; this is its space
     if out is None:
         return space.empty(shape, x.dtype)
     if _space(out, collective, "out") is not space:
@@ -433,8 +435,9 @@ def _run(
     repeated small call does one dictionary lookup before moving data.
     """
     space = space_of(x)
+    # PYCOLL_ALGO is read when a call shape is first prepared (see select.py)
     key = (collective, algorithm, x.dtype, x.size, op, root, peer, input_blocks, blocks,
-           nbytes, space, select.FORCED_SEGMENTS, os.environ.get(select.ALGO_ENV))
+           nbytes, space, select.FORCED_SEGMENTS)
     prepared = comm.prepared.get(key)
     if prepared is None:
         prepared = _prepare(comm, key)

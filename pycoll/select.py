@@ -7,6 +7,7 @@ transport, else built-in defaults. ``PYCOLL_ALGO`` forces a family, for every co
 (``tree``) or per collective (``allreduce:tree,reduce_scatter:ring``); ``algorithm=`` in a
 call forces one for that call (the model then picks only its segment count);
 ``PYCOLL_SEGMENTS`` forces the segment count. ``PYCOLL_DEBUG=1`` logs every call's choice.
+The variables are read when a communicator first prepares a call shape; set them before.
 """
 
 from __future__ import annotations
