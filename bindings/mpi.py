@@ -57,9 +57,9 @@ class MPITransport:
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         # One call instead of two posts and a wait: the small-message path.
-        self.comm.Sendrecv(
-            [send, send.nbytes, self._byte], dst, tag, [recv, recv.nbytes, self._byte], src, tag
-        )
+        byte = self._byte
+        self.comm.Sendrecv((send, send.nbytes, byte), dst, tag, (recv, recv.nbytes, byte), src,
+                           tag)
 
     def free(self) -> None:
         self.comm.Free()

@@ -19,7 +19,9 @@ One step of a rank costs (the LogGP-style model of Thakur, Rabenseifner & Gropp 
   the bytes it sends and receives; with ``ports="multi"`` every peer has a link of its own and
   the largest message counts (the figure some textbook formulas quote);
 * ``gamma``: per reduced byte (the reductions of a step run one after another, after it);
-* ``delta``: per byte copied locally (the seed copies before the first step).
+* ``delta``: per byte copied locally (the seed copies before the first step);
+* ``call``: once per call. With measured curves (``Topology.curves``), each per-byte cost is
+  read at the size of the operation it prices: the message, the reduction, the copy.
 """
 
 from __future__ import annotations
@@ -62,10 +64,20 @@ class Topology:
     ports: str = "single"  # "single" or "multi"
     nranks: int = 0  # the rank count these costs were measured at (0: any)
     source: str = "built-in defaults"
-    # Measured per-byte costs by working-set size, (name, ((bytes, seconds per byte), ...)),
-    # for name in intra, inter, gamma, delta: a cache holds a small call's bytes, memory a
-    # large one's, so the per-byte costs of a call depend on its size (see ``at``).
+    # Measured per-byte costs by size, (name, ((bytes, seconds per byte), ...)), for name in
+    # intra, inter (per message), gamma (per reduction), delta (per copy): a cache holds a
+    # small operand, memory a large one, so per-byte costs depend on the size.
     curves: tuple = ()
+    gamma_curve: tuple = ()  # filled in by ``at`` from ``curves``
+    delta_curve: tuple = ()
+
+    def reduce_seconds(self, nbytes: int) -> float:
+        per_byte = _interpolate(self.gamma_curve, nbytes) if self.gamma_curve else self.gamma
+        return per_byte * nbytes
+
+    def copy_seconds(self, nbytes: int) -> float:
+        per_byte = _interpolate(self.delta_curve, nbytes) if self.delta_curve else self.delta
+        return per_byte * nbytes
 
     def link(self, a: int, b: int) -> Link:
         if self.ranks_per_node <= 0 or a // self.ranks_per_node == b // self.ranks_per_node:
@@ -73,24 +85,24 @@ class Topology:
         return self.inter
 
     def at(self, nbytes: int) -> Topology:
-        """These costs for a call of ``nbytes``: the reduction and copy costs read off their
-        curves at the call's size (its working set; rounded to a power of two, log-linear
-        between points, the end's value beyond the ends), the links' curves attached to the
-        links (read per message); without curves, unchanged."""
+        """These costs ready to play a call (``nbytes`` kept for callers that resolve by call
+        size): the measured curves attached where they are read, per message on the links,
+        per reduction and per copy (log-linear between points, the end's value beyond the
+        ends); without curves, unchanged."""
         if not self.curves:
             return self
-        size = 1 << max(0, round(math.log2(max(nbytes, 1))))
         curves = dict(self.curves)
         intra = replace(self.intra, curve=curves.get("intra", ()))
         inter = replace(self.inter, curve=curves.get("inter", ()))
-        gamma = _interpolate(curves["gamma"], size) if "gamma" in curves else self.gamma
-        delta = _interpolate(curves["delta"], size) if "delta" in curves else self.delta
-        return replace(self, intra=intra, inter=inter, gamma=gamma, delta=delta, curves=())
+        return replace(self, intra=intra, inter=inter, gamma_curve=curves.get("gamma", ()),
+                       delta_curve=curves.get("delta", ()), curves=())
 
     def to_json(self) -> dict:
         data = asdict(self)
         for name in ("intra", "inter"):
             data[name].pop("curve", None)
+        data.pop("gamma_curve", None)
+        data.pop("delta_curve", None)
         data["curves"] = {name: [list(p) for p in points] for name, points in self.curves}
         return data
 
@@ -143,7 +155,7 @@ class _Step:
     messages_in: int = 0
     sent: dict = field(default_factory=lambda: defaultdict(int))  # link -> bytes
     received: dict = field(default_factory=lambda: defaultdict(int))
-    reduced: int = 0
+    reduced: list = field(default_factory=list)  # bytes of each reduction
 
 
 def programs(
@@ -186,10 +198,11 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
     # Pair the k-th send a->b with the k-th receive at b from a, as the transports do.
     sends: dict[tuple[int, int], list[int]] = defaultdict(list)
     receives: dict[tuple[int, int], list[int]] = defaultdict(list)
-    seed_bytes = []
+    seed_seconds = []
     most_sent = 0
     for rank, program in enumerate(compiled):
-        seed_bytes.append(sum(stop - start for start, stop, *_ in program.seeds) * itemsize)
+        seed_seconds.append(sum(topology.copy_seconds((stop - start) * itemsize)
+                                for start, stop, *_ in program.seeds))
         mine = []
         total = 0
         for index, (incoming, outgoing) in enumerate(program.steps):
@@ -201,7 +214,7 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
                 step.messages_in += 1
                 step.received[_key(link, r.peer, topology)] += size
                 if r.scratch >= 0:
-                    step.reduced += size
+                    step.reduced.append(size)
                 receives[(r.peer, rank)].append(index)
             for t in outgoing:
                 link = topology.link(rank, t.peer)
@@ -227,7 +240,7 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
             partners[dst][j].append((src, i))
 
     # finish[r][i + 1]: when rank r left step i; finish[r][0]: its seed copies are done.
-    finish = [[topology.call + topology.delta * seed_bytes[r]] for r in range(nranks)]
+    finish = [[topology.call + seed_seconds[r]] for r in range(nranks)]
     pending = list(range(nranks))
     while pending:
         advanced = False
@@ -255,9 +268,8 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
 def play_lockstep(program: Program, topology: Topology, itemsize: int, rank: int) -> float:
     """One rank's program played alone, every partner assumed ready when it is: the time of
     a rank-symmetric schedule, whose ranks all do the same at the same moments."""
-    seconds = topology.call + topology.delta * itemsize * sum(
-        stop - start for start, stop, *_ in program.seeds
-    )
+    seconds = topology.call + sum(topology.copy_seconds((stop - start) * itemsize)
+                                  for start, stop, *_ in program.seeds)
     for incoming, outgoing in program.steps:
         step = _Step()
         for r in incoming:
@@ -266,7 +278,7 @@ def play_lockstep(program: Program, topology: Topology, itemsize: int, rank: int
             step.messages_in += 1
             step.received[_key(link, r.peer, topology)] += size
             if r.scratch >= 0:
-                step.reduced += size
+                step.reduced.append(size)
         for t in outgoing:
             link, size = topology.link(rank, t.peer), (t.stop - t.start) * itemsize
             step.alpha = max(step.alpha, link.alpha)
@@ -288,7 +300,7 @@ def _cost(step: _Step, topology: Topology) -> float:
             link = links[key[0] if isinstance(key, tuple) else key]
             moved = max(moved, link.per_byte(size) * size)
     messages = 1 if topology.ports == "multi" else max(step.messages_out, step.messages_in)
-    return step.alpha * messages + moved + topology.gamma * step.reduced
+    return step.alpha * messages + moved + sum(topology.reduce_seconds(b) for b in step.reduced)
 
 
 # --- every candidate of a call -------------------------------------------------------------

@@ -22,8 +22,6 @@ from pycoll.algorithms import build, families_for
 from pycoll.schedule import ROOTED, Collective
 
 ALGO_ENV = "PYCOLL_ALGO"
-SEGMENT_BYTES = int(os.environ.get("PYCOLL_SEGMENT_BYTES", 1 << 20))  # kept for old callers
-MAX_SEGMENTS = max(model.SEGMENT_CHOICES)
 # Force every schedule to this many segments (tests, `pycoll explain --segments`); None: model.
 FORCED_SEGMENTS: int | None = (
     int(os.environ["PYCOLL_SEGMENTS"]) if os.environ.get("PYCOLL_SEGMENTS") else None

@@ -42,6 +42,9 @@ class Space(Protocol):
     def using(self, stream: Any) -> contextlib.AbstractContextManager: ...
 
 
+_NO_STREAM = contextlib.nullcontext()  # reusable: host work needs no stream
+
+
 class HostSpace:
     """numpy arrays in this process's memory: every operation completes before it returns."""
 
@@ -75,7 +78,7 @@ class HostSpace:
                 f"stream={stream!r} was given for numpy arrays; allowed: None "
                 "(streams order device arrays only)"
             )
-        return contextlib.nullcontext()
+        return _NO_STREAM
 
 
 class CudaSpace:

@@ -35,6 +35,7 @@ from pycoll.kernels import ReduceOp, reducer
 
 STEP_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 LOCAL_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
+PASSES = 3  # passes over each sweep; the median over passes is kept
 CURVE_FROM = 32 << 10  # below this a step's time is mostly alpha: no per-byte reading
 
 
@@ -102,15 +103,19 @@ def measure_steps(comm: Communicator, partner: Callable[[int], int | None], size
     call, per size (None on the other ranks)."""
     mate = partner(comm.rank)
     pair = comm.split(None if mate is None else min(comm.rank, mate))
-    points = []
-    for nbytes in sizes:
-        shard = np.ones(nbytes, np.uint8)
-        out = np.empty(2 * nbytes, np.uint8)
-        batch = max(1, min(20, (1 << 20) // max(nbytes, 1)))
-        calls = functools.partial(_allgathers, pair, shard, out, batch)
-        calls()  # warm up: prepares the call shape
-        seconds = _median_time(calls, repeats, functools.partial(pycoll.barrier, comm))
-        points.append((nbytes, seconds / batch))
+    runs: dict[int, list[float]] = {nbytes: [] for nbytes in sizes}
+    # Several passes over the sweep: a slow moment of the shared machine spoils one pass's
+    # points, not one size's every sample; the median over passes drops it.
+    for _ in range(PASSES):
+        for nbytes in sizes:
+            shard = np.ones(nbytes, np.uint8)
+            out = np.empty(2 * nbytes, np.uint8)
+            batch = max(1, min(20, (1 << 20) // max(nbytes, 1)))
+            calls = functools.partial(_allgathers, pair, shard, out, batch)
+            calls()  # warm up: prepares the call shape
+            seconds = _median_time(calls, repeats, functools.partial(pycoll.barrier, comm))
+            runs[nbytes].append(seconds / batch)
+    points = [(nbytes, statistics.median(runs[nbytes])) for nbytes in sizes]
     return points if comm.rank == 0 else None
 
 
@@ -121,17 +126,19 @@ def _allgathers(pair, shard, out, times: int) -> None:
 
 def measure_local(comm: Communicator, sizes: list[int], repeats: int) -> tuple[list, list]:
     """Medians of the float32 sum reduction and of a copy, per size, every rank at once."""
-    reduce_points, copy_points = [], []
     add = reducer(ReduceOp.SUM, np.dtype(np.float32))
     sync = functools.partial(pycoll.barrier, comm)
-    for nbytes in sizes:
-        dst, src = np.ones(nbytes // 4, np.float32), np.ones(nbytes // 4, np.float32)
-        add(dst, src)
-        reduce_points.append((nbytes, _median_time(functools.partial(add, dst, src), repeats,
-                                                   sync)))
-        copy_points.append((nbytes, _median_time(functools.partial(np.copyto, dst, src),
-                                                 repeats, sync)))
-    return reduce_points, copy_points
+    reduces: dict[int, list[float]] = {nbytes: [] for nbytes in sizes}
+    copies: dict[int, list[float]] = {nbytes: [] for nbytes in sizes}
+    for _ in range(PASSES):
+        for nbytes in sizes:
+            dst, src = np.ones(nbytes // 4, np.float32), np.ones(nbytes // 4, np.float32)
+            add(dst, src)
+            reduces[nbytes].append(_median_time(functools.partial(add, dst, src), repeats, sync))
+            copies[nbytes].append(_median_time(functools.partial(np.copyto, dst, src), repeats,
+                                               sync))
+    return ([(b, statistics.median(reduces[b])) for b in sizes],
+            [(b, statistics.median(copies[b])) for b in sizes])
 
 
 def _noop() -> None:
@@ -167,7 +174,7 @@ class Tuned:
                 + f"; gamma {_rate(t.gamma)}; delta {_rate(t.delta)}; call {t.call * 1e6:.1f} us")
         lines = [head, *(f.table() for f in self.fits)]
         for name, points in t.curves:
-            lines.append(f"  per-byte {name} by call size: " + ", ".join(
+            lines.append(f"  per-byte {name} by operation size: " + ", ".join(
                 f"{b >> 10} KiB {_rate(v)}" for b, v in points))
         return "\n".join(lines)
 
