@@ -92,6 +92,8 @@ class Row:
     native_time_us: float | None = None
     native_busbw: float | None = None
     ratio: float | None = None
+    roofline_pct: float | None = None  # of the memory roofline (--roofline)
+    native_roofline_pct: float | None = None
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Options:
     algorithms: tuple[str, ...] = ("auto",)
     against: str | None = None
     device: str = "host"  # host: numpy arrays; cuda: CuPy arrays on this rank's GPU
+    roofline: bool = False  # also report each row against the node's memory roofline
 
 
 def validate(options: Options) -> Collective:
@@ -131,6 +134,8 @@ def validate(options: Options) -> Collective:
             )
     if options.device not in DEVICES:
         raise ValueError(f"--device={options.device!r}; allowed: {', '.join(DEVICES)}")
+    if options.roofline and options.device != "host":
+        raise ValueError("--roofline measures host memory; allowed with --device host")
     if options.against == "mpi" and options.device != "host":
         raise ValueError("--against mpi times host arrays only; allowed with --device host")
     if options.against not in (None, "mpi"):
@@ -159,13 +164,55 @@ def run(options: Options, comm: Communicator, progress: Callable[[int, int], Non
     rows: list[Row] = []
     steps = len(all_sizes) * len(options.algorithms)
     done = 0
+    bandwidth = node_copy_bandwidth(comm) if options.roofline else None
     for size in all_sizes:
         for algorithm in options.algorithms:
-            rows.append(_measure(options, collective, dtype, size, algorithm, comm, native))
+            row = _measure(options, collective, dtype, size, algorithm, comm, native)
+            if bandwidth is not None:
+                floor_us = min_memory_traffic(collective, row.size, comm.size) / bandwidth * 1e6
+                row.roofline_pct = 100 * floor_us / row.time_us if row.time_us > 0 else None
+                if row.native_time_us:
+                    row.native_roofline_pct = 100 * floor_us / row.native_time_us
+            rows.append(row)
             done += 1
             if progress is not None and comm.rank == 0:
                 progress(done, steps)
     return rows
+
+
+ROOFLINE_BYTES = 64 << 20  # per rank: well beyond the caches
+
+
+def node_copy_bandwidth(comm: Communicator, nbytes: int = ROOFLINE_BYTES, repeats: int = 5
+                        ) -> float:
+    """The node's aggregate memory bandwidth, bytes read plus written per second, with every
+    rank copying ``nbytes`` at once (the median of ``repeats``, each timed by the slowest
+    rank); what a collective on one node can at best move through memory."""
+    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    np.copyto(dst, src)  # touch the pages first
+    samples = []
+    for _ in range(repeats):
+        pycoll.barrier(comm)
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        samples.append(time.perf_counter() - started)
+    slowest = pycoll.allreduce(np.array(samples), "max", comm=comm)
+    return 2 * nbytes * comm.size / float(np.median(slowest))
+
+
+def min_memory_traffic(collective: Collective, nbytes: int, nranks: int) -> int:
+    """Bytes that any algorithm must read plus write in the node's memory for a collective
+    of ``nbytes`` (nccl-tests' size: the whole array; AllGather's output, ReduceScatter's
+    input), when ranks may read each other's memory in place (docs/performance.md): every
+    input byte read once, every output byte written once, nothing else."""
+    p, n = nranks, nbytes
+    if collective in (Collective.ALLREDUCE, Collective.ALLTOALL):
+        return 2 * p * n  # p inputs read, p outputs written
+    if collective in (Collective.REDUCE_SCATTER, Collective.REDUCE):
+        return p * n + n  # p inputs read; p shards of n/p (or one result of n) written
+    if collective is Collective.ALLGATHER:
+        return n + p * n  # p shards of n/p read; p outputs of n written
+    return n + (p - 1) * n  # Broadcast: the root's array read, p-1 copies written
 
 
 class _Case:
@@ -384,8 +431,11 @@ def format_table(rows: list[Row], title: str) -> str:
     head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'redop':>5} {'root':>4} "
             f"{'algorithm':>16} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} "
             f"{'#wrong':>6}")
+    roofline = any(r.roofline_pct is not None for r in rows)
     if against:
         head += f" {'mpi(us)':>10} {'mpi busbw':>9} {'ratio':>6}"
+    if roofline:
+        head += f" {'roofline%':>9}" + (f" {'mpi roof%':>9}" if against else "")
     lines = [f"# {title}", "#" + head[1:]]
     for r in rows:
         line = (f"{r.size:>12} {r.count:>11} {r.type:>8} {r.redop:>5} {r.root:>4} "
@@ -393,6 +443,10 @@ def format_table(rows: list[Row], title: str) -> str:
                 f"{r.wrong:>6}")
         if against:
             line += f" {r.native_time_us:>10.1f} {r.native_busbw:>9.3f} {r.ratio:>6.2f}"
+        if roofline:
+            line += f" {r.roofline_pct or 0:>9.1f}"
+            if against:
+                line += f" {r.native_roofline_pct or 0:>9.1f}"
         lines.append(line)
     wrong = sum(r.wrong for r in rows)
     lines.append(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--ranks", type=int, help="in-process ranks (default: the MPI job)")
     bench.add_argument("--device", default="host", choices=["host", "cuda"],
                        help="host: numpy arrays; cuda: CuPy arrays on the GPU (default host)")
+    bench.add_argument("--roofline", action="store_true",
+                       help="also report each row as a percentage of the node's memory roofline")
     bench.add_argument("--backend", default="cupy,numba",
                        help="kernels only: comma-separated GPU kernel backends")
     bench.add_argument("--json", metavar="PATH", help="write rows as JSON ('-' for stdout)")
@@ -141,6 +143,7 @@ def _bench(args: argparse.Namespace) -> int:
             algorithms=tuple(names),
             against=args.against,
             device=args.device,
+            roofline=args.roofline,
         )
         bench.validate(options)
         if args.ranks is not None:

@@ -143,3 +143,28 @@ def test_kernel_bench_measures_every_kernel_on_a_gpu(capsys):
     kernels = {(r.kernel, r.backend) for r in rows}
     assert {("copy", "cuda"), ("reduce", "cupy"), ("reduce_copy", "numba")} <= kernels
     assert all(r.bandwidth > 0 for r in rows)
+
+
+@pytest.mark.parametrize("collective,factor", [
+    (Collective.ALLREDUCE, 2 * 4), (Collective.REDUCE_SCATTER, 4 + 1),
+    (Collective.ALLGATHER, 1 + 4), (Collective.BROADCAST, 4), (Collective.REDUCE, 4 + 1),
+    (Collective.ALLTOALL, 2 * 4),
+])
+def test_minimum_memory_traffic_reads_each_input_and_writes_each_output_once(collective,
+                                                                              factor):
+    from pycoll.bench import min_memory_traffic
+
+    assert min_memory_traffic(collective, 1000, 4) == factor * 1000
+
+
+def test_roofline_columns_report_a_share_of_the_node_bandwidth(capsys):
+    assert main(["bench", "allreduce", "--ranks", "2", "-b", "64K", "-e", "256K", "-f", "4",
+                 "-n", "2", "-w", "1", "--roofline"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(lines) == 2
+    assert all(float(line.split()[-1]) > 0 for line in lines)
+
+
+def test_roofline_is_for_host_memory(capsys):
+    assert main(["bench", "--ranks", "2", "--device", "cuda", "--roofline"]) == 2
+    assert "--roofline measures host memory" in capsys.readouterr().err
