@@ -383,11 +383,16 @@ def _check_values(rank: int, start: int, stop: int, op: str, dtype: np.dtype,
     return values.astype(np.float64).astype(dtype)
 
 
+def barrier_of(comm: Communicator) -> Callable[[], None]:
+    """The cheapest barrier over ``comm``'s ranks: MPI's own under MPI, else pycoll's."""
+    if comm.mpi_comm is not None:
+        return comm.mpi_comm.Barrier
+    return lambda: pycoll.barrier(comm)
+
+
 def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
     case = _Case(options, collective, dtype, size, comm)
-    barrier = native.Barrier if native is not None else (lambda: pycoll.barrier(comm))
-    if native is None and comm.mpi_comm is not None:
-        barrier = comm.mpi_comm.Barrier
+    barrier = native.Barrier if native is not None else barrier_of(comm)
 
     def timed(call) -> float:
         barrier()

@@ -130,9 +130,10 @@ def run(options: bench.Options, comm: Communicator, algorithms: list[str] | None
             for _ in range(options.warmup):
                 case.call(a)
         shuffle = np.random.default_rng(size)  # the same order on every rank
+        barrier = bench.barrier_of(comm)
         for _ in range(options.iters):
             for a in shuffle.permutation(names):  # no algorithm always follows the same one
-                comm_barrier(comm)
+                barrier()
                 started = time.perf_counter()
                 case.call(a)
                 samples[a].append(time.perf_counter() - started)
@@ -158,13 +159,6 @@ def run(options: bench.Options, comm: Communicator, algorithms: list[str] | None
 
 
 _ROOTED = (Collective.BROADCAST, Collective.REDUCE)
-
-
-def comm_barrier(comm: Communicator) -> None:
-    if comm.mpi_comm is not None:
-        comm.mpi_comm.Barrier()
-    else:
-        pycoll.barrier(comm)
 
 
 def plot(comparison: Comparison, path: str) -> None:

@@ -84,11 +84,10 @@ class Topology:
             return self.intra
         return self.inter
 
-    def at(self, nbytes: int) -> Topology:
-        """These costs ready to play a call (``nbytes`` kept for callers that resolve by call
-        size): the measured curves attached where they are read, per message on the links,
-        per reduction and per copy (log-linear between points, the end's value beyond the
-        ends); without curves, unchanged."""
+    def with_curves(self) -> Topology:
+        """These costs ready to play: the measured curves attached where they are read, per
+        message on the links, per reduction and per copy (log-linear between points, the
+        end's value beyond the ends); without curves, unchanged."""
         if not self.curves:
             return self
         curves = dict(self.curves)
@@ -144,8 +143,6 @@ def _interpolate(points: tuple[tuple[int, float], ...], size: int) -> float:
 @dataclass(frozen=True)
 class Prediction:
     seconds: float
-    steps: int  # the longest chain of steps on any rank
-    bytes_sent: int  # by the busiest rank
 
 
 @dataclass
@@ -161,25 +158,26 @@ class _Step:
 def programs(
     schedule: Schedule, count: int, input_counts: list[int] | None = None
 ) -> list[Program]:
-    """Every rank's compiled program for a call of ``count`` elements (WORK), as the API
-    builds it: even blocks of WORK; INPUT the same, or for AllGather one block of
+    """Every rank's compiled program for a call of ``count`` elements (see ``program_of``)."""
+    return [program_of(schedule, rank, count, input_counts) for rank in range(schedule.nranks)]
+
+
+def program_of(
+    schedule: Schedule, rank: int, count: int, input_counts: list[int] | None = None
+) -> Program:
+    """``rank``'s compiled program for a call of ``count`` elements (WORK), as the API builds
+    it: even blocks of WORK; INPUT the same, or for AllGather one block of
     ``input_counts[rank]`` elements (that rank's shard); for AllToAll every rank sends
     ``count`` elements in even pieces, so rank r receives piece r of every rank."""
     work_blocks = split(count, schedule.nblocks)
     work = Layout(work_blocks, schedule.nsegments)
-    out = []
-    for rank in range(schedule.nranks):
-        target = work
-        if schedule.collective is Collective.ALLGATHER:
-            shard = work_blocks[rank] if input_counts is None else input_counts[rank]
-            source = Layout([shard], schedule.nsegments)
-        elif schedule.collective is Collective.ALLTOALL:
-            source = work
-            target = Layout([work_blocks[rank]] * schedule.nblocks, schedule.nsegments)
-        else:
-            source = work
-        out.append(compile_program(schedule, rank, source, target))
-    return out
+    source = target = work
+    if schedule.collective is Collective.ALLGATHER:
+        shard = work_blocks[rank] if input_counts is None else input_counts[rank]
+        source = Layout([shard], schedule.nsegments)
+    elif schedule.collective is Collective.ALLTOALL:
+        target = Layout([work_blocks[rank]] * schedule.nblocks, schedule.nsegments)
+    return compile_program(schedule, rank, source, target)
 
 
 def predict(
@@ -198,35 +196,14 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
     # Pair the k-th send a->b with the k-th receive at b from a, as the transports do.
     sends: dict[tuple[int, int], list[int]] = defaultdict(list)
     receives: dict[tuple[int, int], list[int]] = defaultdict(list)
-    seed_seconds = []
-    most_sent = 0
     for rank, program in enumerate(compiled):
-        seed_seconds.append(sum(topology.copy_seconds((stop - start) * itemsize)
-                                for start, stop, *_ in program.seeds))
-        mine = []
-        total = 0
+        steps.append([_step(rank, incoming, outgoing, topology, itemsize)
+                      for incoming, outgoing in program.steps])
         for index, (incoming, outgoing) in enumerate(program.steps):
-            step = _Step()
             for r in incoming:
-                link = topology.link(rank, r.peer)
-                size = (r.stop - r.start) * itemsize
-                step.alpha = max(step.alpha, link.alpha)
-                step.messages_in += 1
-                step.received[_key(link, r.peer, topology)] += size
-                if r.scratch >= 0:
-                    step.reduced.append(size)
                 receives[(r.peer, rank)].append(index)
             for t in outgoing:
-                link = topology.link(rank, t.peer)
-                size = (t.stop - t.start) * itemsize
-                step.alpha = max(step.alpha, link.alpha)
-                step.messages_out += 1
-                step.sent[_key(link, t.peer, topology)] += size
-                total += size
                 sends[(rank, t.peer)].append(index)
-            mine.append(step)
-        steps.append(mine)
-        most_sent = max(most_sent, total)
     partners: list[list[list[tuple[int, int]]]] = [[[] for _ in s] for s in steps]
     for (src, dst), indices in sends.items():
         theirs = receives.get((src, dst), [])
@@ -240,7 +217,7 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
             partners[dst][j].append((src, i))
 
     # finish[r][i + 1]: when rank r left step i; finish[r][0]: its seed copies are done.
-    finish = [[topology.call + seed_seconds[r]] for r in range(nranks)]
+    finish = [[_start(program, topology, itemsize)] for program in compiled]
     pending = list(range(nranks))
     while pending:
         advanced = False
@@ -261,31 +238,40 @@ def play(compiled: list[Program], topology: Topology, itemsize: int) -> Predicti
         if still and not advanced:
             raise ValueError("the schedule cannot progress under rendezvous: it would hang")
         pending = still
-    longest = max(len(s) for s in steps) if steps else 0
-    return Prediction(max(f[-1] for f in finish) if finish else 0.0, longest, most_sent)
+    return Prediction(max(f[-1] for f in finish) if finish else 0.0)
 
 
 def play_lockstep(program: Program, topology: Topology, itemsize: int, rank: int) -> float:
     """One rank's program played alone, every partner assumed ready when it is: the time of
     a rank-symmetric schedule, whose ranks all do the same at the same moments."""
-    seconds = topology.call + sum(topology.copy_seconds((stop - start) * itemsize)
-                                  for start, stop, *_ in program.seeds)
-    for incoming, outgoing in program.steps:
-        step = _Step()
-        for r in incoming:
-            link, size = topology.link(rank, r.peer), (r.stop - r.start) * itemsize
-            step.alpha = max(step.alpha, link.alpha)
-            step.messages_in += 1
-            step.received[_key(link, r.peer, topology)] += size
-            if r.scratch >= 0:
-                step.reduced.append(size)
-        for t in outgoing:
-            link, size = topology.link(rank, t.peer), (t.stop - t.start) * itemsize
-            step.alpha = max(step.alpha, link.alpha)
-            step.messages_out += 1
-            step.sent[_key(link, t.peer, topology)] += size
-        seconds += _cost(step, topology)
-    return seconds
+    return _start(program, topology, itemsize) + sum(
+        _cost(_step(rank, incoming, outgoing, topology, itemsize), topology)
+        for incoming, outgoing in program.steps
+    )
+
+
+def _start(program: Program, topology: Topology, itemsize: int) -> float:
+    """The call's fixed cost and its seed copies, before the first step."""
+    return topology.call + sum(topology.copy_seconds((stop - start) * itemsize)
+                               for start, stop, *_ in program.seeds)
+
+
+def _step(rank: int, incoming, outgoing, topology: Topology, itemsize: int) -> _Step:
+    """What one step of ``rank`` moves and reduces, per link class (or per peer)."""
+    step = _Step()
+    for r in incoming:
+        link, size = topology.link(rank, r.peer), (r.stop - r.start) * itemsize
+        step.alpha = max(step.alpha, link.alpha)
+        step.messages_in += 1
+        step.received[_key(link, r.peer, topology)] += size
+        if r.scratch >= 0:
+            step.reduced.append(size)
+    for t in outgoing:
+        link, size = topology.link(rank, t.peer), (t.stop - t.start) * itemsize
+        step.alpha = max(step.alpha, link.alpha)
+        step.messages_out += 1
+        step.sent[_key(link, t.peer, topology)] += size
+    return step
 
 
 def _key(link: Link, peer: int, topology: Topology):
@@ -396,15 +382,3 @@ def nearest(topologies: list[Topology], nranks: int) -> Topology | None:
     if not topologies:
         return None
     return min(topologies, key=lambda t: (abs(math.log(max(t.nranks, 1) / nranks)), t.nranks))
-
-
-def busbw_factor(collective: Collective, nranks: int) -> float:
-    if collective is Collective.ALLREDUCE:
-        return 2 * (nranks - 1) / nranks
-    if collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL):
-        return (nranks - 1) / nranks
-    return 1.0
-
-
-def log2_ceil(p: int) -> int:
-    return max(0, math.ceil(math.log2(p))) if p > 1 else 0

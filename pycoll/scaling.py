@@ -20,8 +20,8 @@ from importlib import resources
 from pathlib import Path
 
 from pycoll import algorithms, model
-from pycoll.execute import compile_program
-from pycoll.schedule import ROOTED, Collective, Layout, building_only, split
+from pycoll.bench import bus_factor
+from pycoll.schedule import ROOTED, Collective, building_only
 
 FULL_LIMIT = 64  # beyond this, symmetric schedules are played on one rank (same result)
 DIRECT_LIMIT = 512  # p-1 messages per rank: not a candidate beyond
@@ -75,7 +75,7 @@ def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: i
                      topology: model.Topology, itemsize: int = 4) -> Estimate:
     """The best segment count's prediction for ``family`` (see the module docstring)."""
     count = nbytes // itemsize
-    topology = topology.at(nbytes)
+    topology = topology.with_curves()
     root = 0 if collective in ROOTED else None
     best = None
     lockstep = nranks > FULL_LIMIT and collective in LOCKSTEP.get(family, set()) and (
@@ -92,7 +92,7 @@ def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: i
         if best is None or seconds < best[1]:
             best = (nsegments, seconds)
     nsegments, seconds = best
-    factor = model.busbw_factor(collective, nranks)
+    factor = bus_factor(collective, nranks)
     busbw = nbytes / seconds / 1e9 * factor if seconds > 0 else 0.0
     how = "one rank, lockstep" if lockstep else "every rank"
     return Estimate(nranks, nbytes, family, nsegments, seconds, busbw, how)
@@ -102,11 +102,7 @@ def _lockstep(collective, family, nranks, count, topology, itemsize) -> float:
     schedule = _rank_zero_schedule(collective, family, nranks)
     # Every chunk holds data, so that rank 0 does what every rank does (with fewer elements
     # than blocks, empty transfers would drop out on some ranks and not on others).
-    count = max(count, schedule.nchunks)
-    work_blocks = split(count, schedule.nblocks)
-    work = Layout(work_blocks, 1)
-    source = Layout([work_blocks[0]], 1) if collective is Collective.ALLGATHER else work
-    program = compile_program(schedule, 0, source, work)
+    program = model.program_of(schedule, 0, max(count, schedule.nchunks))
     return model.play_lockstep(program, topology, itemsize, rank=0)
 
 

@@ -105,7 +105,7 @@ def plan_for(
     root: int | None = None,
 ) -> Plan:
     """The family and segment count for ``collective`` on ``nbytes`` over ``nranks`` ranks."""
-    topology = (DEFAULTS["local"] if topology is None else topology).at(nbytes)
+    topology = (DEFAULTS["local"] if topology is None else topology).with_curves()
     reason = "lowest predicted time"
     families = None
     if algorithm == "auto":

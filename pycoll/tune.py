@@ -141,10 +141,6 @@ def measure_local(comm: Communicator, sizes: list[int], repeats: int) -> tuple[l
             [(b, statistics.median(copies[b])) for b in sizes])
 
 
-def _noop() -> None:
-    pass
-
-
 def measure_call(comm: Communicator, repeats: int) -> float:
     """A collective with nothing to move, back to back: the fixed cost of a call."""
     empty = np.zeros(0, np.float32)
