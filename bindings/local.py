@@ -82,6 +82,21 @@ class LocalWorld:
                 f"({type(self.failure).__name__}: {self.failure}); this collective cannot complete"
             )
 
+    def check_waiting(self, rank: int, awaited: list[int]) -> None:
+        """For ranks that wait by polling shared memory: raise if the world failed, or if
+        every rank awaited has returned (nothing more can arrive from them)."""
+        with self._lock:
+            self._raise_if_failed(rank)
+            if awaited and all(peer in self._finished for peer in awaited):
+                error = Deadlock(
+                    f"deadlock: rank {rank} waits for ranks {sorted(awaited)}, which already "
+                    "returned"
+                )
+                if self.failure is None:
+                    self.failure, self.failed_rank = error, rank
+                self._wake_everyone()
+                raise error
+
     def post(self, request: _Request, channel: str) -> _Request:
         if request.kind == "send":
             key = (channel, request.rank, request.peer, request.tag)

@@ -18,7 +18,7 @@ from pycoll.comm import Communicator, world
 from pycoll.execute import compile_program, run
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
 from pycoll.schedule import Collective, Layout, split
-from pycoll.spaces import space_of
+from pycoll.spaces import HOST, space_of
 
 OpLike = str | ReduceOp
 Array = Any  # a numpy.ndarray, or a device array (cupy.ndarray) of a registered space
@@ -35,13 +35,45 @@ def allreduce(
     stream: Any = None,
 ) -> Array:
     """Combine ``x`` over all ranks with ``op``; every rank gets the whole result."""
-    comm, space = _comm(comm), _space(x, "allreduce")
+    comm = _comm(comm)
+    if algorithm == "auto" and stream is None and type(x) is np.ndarray:
+        done = _one_shot_allreduce(x, op, out, comm)
+        if done is not None:
+            return done
+    space = _space(x, "allreduce")
     op = _op(op, x, "allreduce")
     with space.using(stream):
         out = _out(out, x, x.shape, "allreduce", may_alias=True)
         _run(comm, Collective.ALLREDUCE, x, out, op, algorithm)
         if op is ReduceOp.AVG:
             space.finish(out.reshape(-1), op, comm.size)
+    return out
+
+
+def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
+                        comm: Communicator) -> np.ndarray | None:
+    """The small AllReduce over shared memory (every rank on one node), with the checks of
+    the general path done once per (dtype, op) and the common ``out`` cases checked inline;
+    None when it does not apply, and the general path then runs (and reports any error)."""
+    shared = comm.one_shot()
+    if shared is None or x.nbytes > shared.small_bytes or not x.flags.c_contiguous:
+        return None
+    known = shared.ops.get((x.dtype, op))
+    if known is None:
+        _space(x, "allreduce")
+        parsed = _op(op, x, "allreduce")
+        known = shared.ops[(x.dtype, op)] = (parsed, HOST.reducer(parsed, x.dtype))
+    parsed, reducer = known
+    if out is None:
+        out = np.empty_like(x)
+    elif not (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
+              and out.flags.c_contiguous and out.flags.writeable
+              and (out is x or not np.may_share_memory(out, x))):
+        out = _out(out, x, x.shape, "allreduce", may_alias=True)  # raises, or in place
+    flat = out if out.ndim == 1 else out.reshape(-1)
+    shared.allreduce_small(x if x.ndim == 1 else x.reshape(-1), flat, reducer)
+    if parsed is ReduceOp.AVG:
+        HOST.finish(flat, parsed, comm.size)
     return out
 
 
@@ -274,7 +306,28 @@ def plan(
 
 def barrier(comm: Communicator | None = None) -> None:
     """Return only once every rank of ``comm`` has entered the barrier."""
-    allreduce(np.zeros(1, np.int8), comm=_comm(comm), algorithm="direct")
+    comm = _comm(comm)
+    shared = comm.one_shot()
+    x = np.zeros(1, np.int8)
+    allreduce(x, comm=comm, algorithm="auto" if shared is not None else "direct")
+
+
+def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,
+          comm: Communicator | None = None) -> np.ndarray:
+    """A numpy array in memory that the other ranks of this node can read in place.
+
+    Collective: every rank of ``comm`` calls it (shapes may differ). Collectives send from
+    such an array without first copying it into the shared rings, and reductions read it
+    where it lies. The memory lives as long as the communicator. Where no peer shares this
+    rank's node (one rank, or ``PYCOLL_HOST_TRANSPORT=mpi``), it is a plain ``numpy.empty``.
+    """
+    comm = _comm(comm)
+    dtype = check_dtype(dtype)
+    dims = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
+    if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0
+               for d in dims):
+        raise ValueError(f"empty: shape={shape!r} is invalid; allowed: ints >= 0")
+    return comm.shared_empty(tuple(int(d) for d in dims), dtype)
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -454,7 +507,7 @@ def _run(
     if space.is_device:
         transport = comm.device_transport(space, p2p)
     else:
-        transport = comm.p2p if p2p else comm.transport
+        transport = comm.p2p if p2p else comm.host_transport()
     scratch = None
     if program.scratch_elements and not getattr(transport, "delivers", False):
         scratch = comm.buffer("scratch", program.scratch_elements, target.dtype, space)

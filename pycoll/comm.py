@@ -22,7 +22,8 @@ from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi, node_of_each
 from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
 from pycoll.bindings.transport import Transport
 
-_TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
+_TAG_LIMIT = 32767
+_UNSET = object()  # the smallest MPI_TAG_UB the MPI standard allows
 
 
 class Communicator:
@@ -59,6 +60,114 @@ class Communicator:
         self._device_transports: dict[tuple, Any] = {}
         self.topologies: dict[str, Any] = {}  # per kind of transport: the costs selection uses
         self._buffers: dict[tuple, Any] = {}
+        self._host: Any = None  # the host arrays' endpoint, made by the first collective
+        self._shared: Any = None  # its shared-memory part, when ranks share a node
+        self._node_comm: Any = None
+        self._one_shot: Any = _UNSET
+
+    def host_transport(self) -> Any:
+        """The endpoint that moves host (numpy) arrays for collectives, made on first use.
+
+        Ranks of one node reach each other through shared memory (bindings/shm.py) and the
+        others over MPI; ``PYCOLL_HOST_TRANSPORT=auto|shm|mpi`` chooses (``auto``: shared
+        memory between MPI processes, the rendezvous transport between in-process threads;
+        ``mpi``: messages only). Every rank makes it in the same call, its first collective.
+        """
+        if self._host is None:
+            self._host = self._make_host_transport()
+        return self._host
+
+    def host_kind(self) -> str:
+        """The kind of transport host arrays take, as tuning files name it: "shm" (some ranks
+        share a node), "mpi", or "local" (in-process threads); the same on every rank, so
+        that every rank chooses alike."""
+        self.host_transport()
+        return self._host_kind
+
+    def one_shot(self) -> Any:
+        """The shared-memory endpoint that serves small AllReduces in one shot, when it
+        reaches every rank and ``PYCOLL_ALGO`` forces no AllReduce family; else None."""
+        if self._one_shot is _UNSET:
+            from pycoll.schedule import Collective
+            from pycoll.select import forced_algorithm
+
+            self.host_transport()
+            shared = self._shared
+            reaches_all = shared is not None and len(shared.local) == self.size
+            forced = forced_algorithm(Collective.ALLREDUCE) is not None
+            self._one_shot = shared if reaches_all and not forced else None
+        return self._one_shot
+
+    def _make_host_transport(self) -> Any:
+        from pycoll.bindings import shm
+        from pycoll.bindings.routed import Delivered, RoutedTransport
+
+        mode = _host_transport_mode()
+        self._host_kind = "mpi" if self.mpi_comm is not None else "local"
+        if self.size == 1 or mode == "mpi" or (mode == "auto" and self.mpi_comm is None):
+            return self.transport
+        ring = shm.ring_bytes_from_env()
+        if self.mpi_comm is not None:
+            per_node = os.environ.get("PYCOLL_RANKS_PER_NODE")
+            if per_node:
+                nodes = [r // _ranks_per_node(self.size) for r in range(self.size)]
+            else:
+                nodes = node_of_each_rank(self.mpi_comm)
+        else:
+            per_node = _ranks_per_node(self.size)
+            nodes = [r // per_node for r in range(self.size)]
+        if len(set(nodes)) < self.size:  # some ranks share a node
+            self._host_kind = "shm"
+        local = [r for r in range(self.size) if nodes[r] == nodes[self.rank]]
+        if self.mpi_comm is not None:
+            self._node_comm = self.mpi_comm.Split(nodes[self.rank], self.rank)
+            if len(local) == 1:
+                return self.transport
+            segments = shm.MpiSegments(self._node_comm, shm.segment_bytes(len(local), ring))
+            check = None  # a rank that dies takes the MPI job down
+        else:
+            host = self.transport
+            if len(local) == 1:
+                return self.transport
+            world, world_rank = host.world, host.world_rank
+
+            def check(awaited: list[int]) -> None:
+                world.check_waiting(world_rank, [host.members[r] for r in awaited])
+
+            segments = shm.ThreadSegments(
+                world.shared, (host.channel, "shm", nodes[self.rank]), local.index(self.rank),
+                local, shm.segment_bytes(len(local), ring), check,
+            )
+        self._shared = shm.SharedMemoryTransport(
+            segments, self.rank, self.size, local, ring, check=check
+        )
+        segments.barrier()  # every segment exists (and is zeroed) before anyone writes
+        if len(local) == self.size:
+            return self._shared
+        remote = Delivered(self.transport)
+        return RoutedTransport([self._shared if p in local else remote for p in range(self.size)])
+
+    def shared_empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        """An array in a new shared window (collective: every rank calls it); a plain numpy
+        array when this rank shares no memory with a peer."""
+        from pycoll.bindings import shm
+
+        self.host_transport()
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        if self._shared is None:
+            return np.empty(shape, dtype)
+        nbytes = max(1, count * dtype.itemsize)
+        if self.mpi_comm is not None:
+            segments = shm.MpiSegments(self._node_comm, nbytes)
+        else:
+            host = self.transport
+            key = (host.channel, "window", len(self._shared._windows), self._shared.local[0])
+            segments = shm.ThreadSegments(host.world.shared, key,
+                                          self._shared.local.index(self.rank),
+                                          self._shared.local, nbytes, self._shared._check)
+        mine = self._shared.add_window(segments)
+        return mine[: count * dtype.itemsize].view(dtype).reshape(shape)
 
     def buffer(self, purpose: str, count: int, dtype: Any, space: Any) -> Any:
         """A flat array of ``count`` elements kept for ``purpose`` (scratch, a temporary
@@ -171,6 +280,16 @@ class Communicator:
 
 
 DEVICE_TRANSPORTS = ("auto", "ipc", "staged")
+HOST_TRANSPORTS = ("auto", "shm", "mpi")
+
+
+def _host_transport_mode() -> str:
+    mode = os.environ.get("PYCOLL_HOST_TRANSPORT", "auto").strip().lower() or "auto"
+    if mode not in HOST_TRANSPORTS:
+        raise ValueError(
+            f"PYCOLL_HOST_TRANSPORT={mode!r} is invalid; allowed: {', '.join(HOST_TRANSPORTS)}"
+        )
+    return mode
 
 
 def _device_transport_mode() -> str:

@@ -208,9 +208,13 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
         transport.waitall(requests)
 
 
-def _reduce(reduce: Reducer, work, source, receive: Receive, incoming) -> None:
-    target = work[receive.start : receive.stop]
+def _reduce(reduce: Reducer, work, source, receive: Receive, incoming, offset: int = 0) -> None:
+    """Reduce ``incoming`` into the receive's range of WORK, ``offset`` elements in (a
+    delivering transport may hand a long message over in pieces)."""
+    start = receive.start + offset
+    target = work[start : start + incoming.size]
     if receive.fused is None:
         reduce(target, incoming)
     else:
-        reduce(target, incoming, source[receive.fused[0] : receive.fused[1]])
+        first = receive.fused[0] + offset
+        reduce(target, incoming, source[first : first + incoming.size])

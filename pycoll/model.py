@@ -340,7 +340,7 @@ def tuning_path() -> Path:
 
 
 def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
-    """The tuned topologies of this machine by kind of transport ("local", "mpi", "cuda"),
+    """The tuned topologies of this machine by kind of transport ("local", "mpi", "shm", "cuda"),
     one per rank count tuned at; empty when there is no tuning file."""
     path = tuning_path() if path is None else path
     if not path.exists():

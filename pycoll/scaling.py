@@ -41,7 +41,8 @@ def topology_named(name_or_path: str) -> model.Topology:
     if name_or_path in builtins:
         return builtins[name_or_path]
     if name_or_path == "tuned":
-        tuned = model.load_tuning().get("mpi") or model.load_tuning().get("local")
+        tuning = model.load_tuning()
+        tuned = tuning.get("mpi") or tuning.get("shm") or tuning.get("local")
         if not tuned:
             raise ValueError("--topology tuned: no tuning file; run `pycoll tune` first")
         return max(tuned, key=lambda t: t.nranks)

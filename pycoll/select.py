@@ -40,6 +40,10 @@ DEFAULTS = {
         name="MPI", intra=model.Link(8e-6, 1 / 4e9), inter=model.Link(15e-6, 1 / 10e9),
         gamma=1 / 2e9, delta=1 / 8e9,
     ),
+    "shm": model.Topology(
+        name="shared memory", intra=model.Link(4e-6, 1 / 10e9), inter=model.Link(15e-6, 1 / 10e9),
+        gamma=1 / 4e9, delta=1 / 10e9,
+    ),
     "cuda": model.Topology(
         name="CUDA peer memory", intra=model.Link(30e-6, 1 / 1.5e12),
         inter=model.Link(30e-6, 1 / 40e9), gamma=1 / 1.5e12, delta=1 / 2e12,
@@ -183,7 +187,7 @@ def topology_for(comm, space) -> model.Topology:
     """The costs for ``comm``'s transport to ``space``'s arrays: tuned (at the nearest rank
     count), else the defaults. Under MPI rank 0 reads the tuning file and every rank uses its
     copy, so that all ranks choose alike."""
-    kind = "cuda" if space.is_device else ("mpi" if comm.mpi_comm is not None else "local")
+    kind = "cuda" if space.is_device else comm.host_kind()
     cached = comm.topologies.get(kind)
     if cached is not None:
         return cached

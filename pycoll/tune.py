@@ -242,12 +242,13 @@ def tune_comm(comm: Communicator, kind: str, repeats: int = 15,
 def tune(path=None, repeats: int = 15, sizes: list[int] | None = None,
          local_ranks: tuple[int, ...] = (2, 4), print_: Callable[[str], None] = print,
          local_sizes: list[int] | None = None) -> list[Tuned]:
-    """Tune every transport present and write the tuning file (on rank 0): MPI at the job's
-    rank count, in-process threads at each of ``local_ranks``."""
+    """Tune every transport present and write the tuning file (on rank 0): the MPI job's
+    host transport (shared memory on one node, else MPI) at its rank count, in-process
+    threads at each of ``local_ranks``."""
     results = []
     world = pycoll.world()
     if world.mpi_comm is not None and world.size > 1:
-        tuned = tune_comm(world, "mpi", repeats, sizes, local_sizes)
+        tuned = tune_comm(world, world.host_kind(), repeats, sizes, local_sizes)
         if tuned is not None:
             results.append(tuned)
     if world.rank == 0:

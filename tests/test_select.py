@@ -31,7 +31,8 @@ def test_plan_names_the_choice_and_every_candidate_fastest_first():
     assert (plan.algorithm, plan.nsegments) == (
         plan.candidates[0].algorithm, plan.candidates[0].nsegments
     )
-    assert {c.algorithm for c in plan.candidates} == {"ring", "tree", "halving_doubling", "direct"}
+    assert {c.algorithm for c in plan.candidates} == {
+        "ring", "tree", "halving_doubling", "direct", "two_shot"}
     assert "allreduce 1048576 B on 4 ranks" in plan.describe()
 
 

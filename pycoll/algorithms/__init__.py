@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 from types import ModuleType
 
-from pycoll.algorithms import direct, halving_doubling, ring, tree
+from pycoll.algorithms import direct, halving_doubling, ring, tree, two_shot
 from pycoll.schedule import ROOTED, Collective, Schedule
 
 FAMILIES: dict[str, ModuleType] = {
@@ -20,6 +20,7 @@ FAMILIES: dict[str, ModuleType] = {
     "tree": tree,
     "halving_doubling": halving_doubling,
     "direct": direct,
+    "two_shot": two_shot,
 }
 
 

@@ -52,25 +52,35 @@ def allreduce_one_shot(nranks: int, nsegments: int = 1) -> Schedule:
 def reduce_scatter_direct(nranks: int, nsegments: int = 1) -> Schedule:
     b = ScheduleBuilder(Collective.REDUCE_SCATTER, "direct", nranks, nblocks=nranks,
                         nsegments=nsegments)
-    # one step: send block j to rank j, reduce block r from every peer
-    for src in range(nranks):
-        for dst in range(nranks):
-            if dst != src:
-                for chunk in b.chunks_of_block(dst):
-                    b.transfer(src, dst, chunk, reduce=True, buffer=Buffer.INPUT)
+    reduce_scatter_round(b)
     return b.build()
 
 
 def allgather_direct(nranks: int, nsegments: int = 1) -> Schedule:
     b = ScheduleBuilder(Collective.ALLGATHER, "direct", nranks, nblocks=nranks,
                         nsegments=nsegments)
-    # one step: send my block to every peer, copy block q from rank q
-    for src in range(nranks):
-        for dst in range(nranks):
+    allgather_round(b)
+    return b.build()
+
+
+def reduce_scatter_round(b: ScheduleBuilder) -> None:
+    """One step: every rank sends block j (of INPUT) to rank j and reduces block r from every
+    peer."""
+    for src in range(b.nranks):
+        for dst in range(b.nranks):
+            if dst != src:
+                for chunk in b.chunks_of_block(dst):
+                    b.transfer(src, dst, chunk, reduce=True, buffer=Buffer.INPUT)
+
+
+def allgather_round(b: ScheduleBuilder) -> None:
+    """One step: every rank sends its block r (of WORK) to every peer and copies block q from
+    rank q."""
+    for src in range(b.nranks):
+        for dst in range(b.nranks):
             if dst != src:
                 for chunk in b.chunks_of_block(src):
                     b.transfer(src, dst, chunk)
-    return b.build()
 
 
 def alltoall_pairwise(nranks: int, nsegments: int = 1) -> Schedule:

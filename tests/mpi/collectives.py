@@ -63,7 +63,7 @@ def check_reducing(index: int, count: int) -> None:
     x, root = xs[RANK], index % P
     rows = [len(part) for part in np.array_split(np.arange(count), P)]
     has_native = op in MPI_OPS and np.dtype(dtype).kind in "iuf" and dtype is not np.float16
-    for algorithm in families_for(Collective.ALLREDUCE):
+    for algorithm in [*families_for(Collective.ALLREDUCE), "auto"]:
         label = f"allreduce {algorithm} {np.dtype(dtype)} {op} n={count}"
         case(label, pycoll.allreduce(x, op, algorithm=algorithm), oracle.allreduce(xs, op))
     for algorithm in families_for(Collective.REDUCE_SCATTER):

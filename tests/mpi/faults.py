@@ -2,11 +2,14 @@
 
 Run as ``python tests/mpi/faults.py MODE`` with MODE ``raise`` (an uncaught exception, which
 pycoll's MPI world turns into an abort of the whole job) or ``bad-input`` (a validation error
-on one rank only).
+on one rank only) or ``kill`` (rank 1 is killed by SIGKILL after the shared-memory transport
+was made, while the others wait for it in a collective).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import numpy as np
@@ -16,7 +19,11 @@ import pycoll
 mode = sys.argv[1]
 comm = pycoll.world()
 x = np.arange(8, dtype=np.float32)
-if comm.rank == 1:
+if mode == "kill":
+    pycoll.allreduce(x)  # the first collective makes the shared-memory transport
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+elif comm.rank == 1:
     if mode == "raise":
         raise RuntimeError("rank 1 fails on purpose")
     pycoll.allreduce(x, out=np.empty(8, np.float64))  # wrong out dtype: raises on rank 1 only

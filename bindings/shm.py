@@ -1,0 +1,505 @@
+"""Host messages between the ranks of one node through shared memory (MPI-3 shared windows).
+
+Each rank owns one *segment* of a shared window that every rank of its node maps
+(``MPI.Win.Allocate_shared`` on the ``COMM_TYPE_SHARED`` communicator; in-process ranks share
+plain arrays). A segment holds:
+
+* control words, one per 64-byte line so that no two writers share a cache line:
+  ``head[d]``, the bytes this rank has written into its stream to local rank d, and
+  ``tail[s]``, the bytes it has consumed of local rank s's stream to it; each word has one
+  writer (single-producer, single-consumer), so plain stores suffice, ordered by fences;
+* one ring per local peer: the byte stream of its messages to that peer. A message is a run
+  of records, each a 64-byte header (kind, tag, bytes, the message's total, where) and, for an
+  inline record, its payload padded to 64 bytes. A message longer than a quarter of the ring
+  travels in pieces, so the receiver reduces piece k while the sender copies piece k+1;
+* the one-shot AllReduce's two slots (see :meth:`SharedMemoryTransport.allreduce_small`).
+
+A send whose buffer already lies in a shared window (:func:`pycoll.empty`) is not copied: its
+record names the window and offset, the receiver reads (or reduces) the data where it lies,
+and the send completes when the receiver's tail has passed the record. Messages between two
+ranks match in posting order; the tag and total size in each header are checked, so ranks
+that disagree on a call get an error naming both, not a wrong result.
+
+Memory ordering: the writer fences (``MPI_Win_sync``, a full barrier) between writing data and
+publishing the counter that covers it; the reader fences between reading a counter and reading
+the data it covers, and again before publishing its tail. Waits spin briefly, then yield the
+core, so more ranks than cores still make progress.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+LINE = 64  # bytes of a cache line; every header and payload starts on one
+_WORDS = LINE // 8
+WRAP, INLINE, IN_WINDOW = 1, 2, 3  # record kinds
+MIN_PIECE = 4096  # less contiguous room than this before the ring's end: wrap instead
+SPINS = 200  # polls before a waiting rank starts yielding its core
+RING_BYTES = 8 << 20  # per peer: the stream to that peer
+SMALL_BYTES = 64 << 10  # one-shot AllReduce slot; larger calls take the schedules
+
+
+def _env_bytes(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    if not text.isdigit() or int(text) < 4 * MIN_PIECE:
+        raise ValueError(f"{name}={text!r} is invalid; allowed: an int >= {4 * MIN_PIECE} (bytes)")
+    return int(text) // LINE * LINE
+
+
+class MpiSegments:
+    """Segments of one ``MPI.Win.Allocate_shared`` window on a node communicator."""
+
+    def __init__(self, node_comm: Any, nbytes: int):
+        from mpi4py import MPI
+
+        self.comm = node_comm
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each segment on its owner's pages
+        self.win = MPI.Win.Allocate_shared(nbytes, 1, info, comm=node_comm)
+        info.Free()
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # the passive epoch Win.Sync needs
+        self.index = node_comm.Get_rank()
+        self.segments = [
+            np.frombuffer(self.win.Shared_query(r)[0], np.uint8)
+            for r in range(node_comm.Get_size())
+        ]
+        self.fence = self.win.Sync
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def free(self) -> None:
+        """Collective over the node: every rank of it frees its window together."""
+        self.segments = []
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+class ThreadSegments:
+    """Segments for ranks that are threads of one process (tests, the in-process world):
+    every rank of the node constructs one with the same ``key``; each makes its own segment,
+    then waits for the others'. ``ranks``: the node's ranks (what ``check`` is told)."""
+
+    def __init__(self, shared: dict, key: Any, index: int, ranks: list[int], nbytes: int,
+                 check: Callable[[list[int]], None] | None = None):
+        count = len(ranks)
+        self.segments = shared.setdefault((key, "segments"), [None] * count)
+        self._state = shared.setdefault((key, "barrier"), _ThreadBarrier(count))
+        self._check, self._ranks = check, ranks
+        self.index = index
+        self.segments[index] = np.zeros(nbytes, np.uint8)
+        self.barrier()
+
+    def fence(self) -> None:
+        pass  # threads of one process: the GIL orders Python-level stores and loads
+
+    def barrier(self) -> None:
+        self._state.wait(self.index, lambda missing: self._check and self._check(
+            [self._ranks[i] for i in missing]))
+
+    def free(self) -> None:
+        self.segments = []
+
+
+class _ThreadBarrier:
+    """A reusable barrier that, while waiting, asks ``check`` about the ranks still missing
+    (so a rank that returned early is reported, not waited for)."""
+
+    def __init__(self, count: int):
+        self._condition = threading.Condition()
+        self._count = count
+        self._arrived: set[int] = set()
+        self._generation = 0
+
+    def wait(self, index: int, check: Callable[[list[int]], Any]) -> None:
+        with self._condition:
+            generation = self._generation
+            self._arrived.add(index)
+            if len(self._arrived) == self._count:
+                self._arrived = set()
+                self._generation += 1
+                self._condition.notify_all()
+                return
+            while self._generation == generation:
+                if not self._condition.wait(timeout=0.5):
+                    missing = [i for i in range(self._count) if i not in self._arrived]
+                    self._condition.release()
+                    try:
+                        check(missing)
+                    finally:
+                        self._condition.acquire()
+
+
+class _Send:
+    __slots__ = ("peer", "bytes", "sent", "tag", "total", "window", "offset", "until", "prev",
+                 "done_")
+
+    def __init__(self, peer: int, data: np.ndarray, tag: int):
+        self.peer, self.bytes, self.tag = peer, data, tag
+        self.total = data.nbytes
+        self.sent = 0
+        self.window = -1  # >= 0: the data lies in this window, at ``offset``
+        self.offset = 0
+        self.until = -1  # zero-copy: done once the receiver's tail reaches this
+        self.prev: _Send | None = None  # the send before it to the same peer
+        self.done_ = self.total == 0
+
+    def done(self) -> bool:
+        return self.done_
+
+
+class _Recv:
+    __slots__ = ("peer", "buf", "bytes", "received", "tag", "total", "combine", "after", "prev",
+                 "done_")
+
+    def __init__(self, peer: int, buf: np.ndarray, tag: int, combine):
+        self.peer, self.buf, self.tag, self.combine = peer, buf, tag, combine
+        self.bytes = buf.view(np.uint8)
+        self.total = buf.nbytes
+        self.received = 0
+        self.after: _Recv | None = None  # the combining receive that must finish first
+        self.prev: _Recv | None = None  # the receive before it from the same peer
+        self.done_ = self.total == 0
+
+    def done(self) -> bool:
+        return self.done_
+
+
+class SharedMemoryTransport:
+    """One rank's endpoint to the ranks of its node (see the module docstring).
+
+    ``segments``: the node's shared segments (``MpiSegments`` or ``ThreadSegments``), made
+    with at least :func:`segment_bytes` bytes each; ``local``: the ranks (of this transport's
+    group) on this node, in segment order; ``check``: called while waiting, raises if the
+    group failed.
+    """
+
+    delivers = True  # irecv takes ``combine``: reductions read the ring or window in place
+
+    def __init__(
+        self, segments: Any, rank: int, size: int, local: list[int],
+        ring_bytes: int = RING_BYTES, small_bytes: int = SMALL_BYTES,
+        check: Callable[[], None] | None = None,
+    ):
+        self.rank, self.size, self.local = rank, size, list(local)
+        self.peers = self.local  # the ranks this endpoint reaches
+        self._segments = segments
+        self._fence = segments.fence
+        self._check = check
+        self._index = {r: i for i, r in enumerate(self.local)}
+        self._me = self._index[rank]
+        count = len(self.local)
+        self._ring = ring_bytes
+        # more ranks than cores: a spinning rank holds the core its peer needs, so yield at once
+        self._spins = SPINS if count <= len(os.sched_getaffinity(0)) else 0
+        self._piece = max(MIN_PIECE, ring_bytes // 4 // LINE * LINE)
+        self.small_bytes = small_bytes
+        layout = _Layout(count, ring_bytes, small_bytes)
+        self._layout = layout
+        seg = segments.segments
+        self._control = [s[: layout.control].view(np.int64) for s in seg]
+        self._my_control = self._control[self._me]
+        self._peer_controls = [(i, c) for i, c in enumerate(self._control) if i != self._me]
+        self._my_control[:] = 0  # MPI does not zero a window; peers read it after a barrier
+        # my stream to peer i, and peer i's stream to me
+        self._out = [seg[self._me][layout.ring(i) : layout.ring(i) + ring_bytes]
+                     for i in range(count)]
+        self._in = [seg[i][layout.ring(self._me) : layout.ring(self._me) + ring_bytes]
+                    for i in range(count)]
+        self._out_words = [r.view(np.int64) for r in self._out]
+        self._in_words = [r.view(np.int64) for r in self._in]
+        self._heads = [0] * count  # mirrors of my control words
+        self._last_send: list[_Send | None] = [None] * count
+        self._tails = [0] * count
+        self._small_seq = 0
+        self._small_views: dict[tuple, tuple] = {}
+        self.ops: dict[tuple, tuple] = {}  # (dtype, op as given) -> (op, reducer), checked
+        self._windows: list[Any] = []  # segments of pycoll.empty's windows, by id
+        self._window_spans: list[tuple[int, int, int]] = []  # (start, stop, id) of mine
+
+    # -- the two-sided interface
+
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> _Send:
+        data = buf.reshape(-1).view(np.uint8)
+        i = self._index[peer]
+        request = _Send(i, data, tag)
+        if request.done_:
+            return request
+        if self._window_spans:
+            self._locate(request)
+        last = self._last_send[i]  # a stream carries one message at a time, in order
+        if last is not None and last.sent < last.total:
+            request.prev = last
+        self._last_send[i] = request
+        self._push(request)  # eager: as much as the ring takes now
+        return request
+
+    def irecv(
+        self, buf: np.ndarray, peer: int, tag: int, combine: Callable[..., None] | None = None
+    ) -> _Recv:
+        return _Recv(self._index[peer], buf.reshape(-1), tag, combine)
+
+    def waitall(self, requests: list) -> None:
+        # Reductions run in the listed order (a fused first one overwrites what it seeds),
+        # so a combining receive waits for the one before it; copies go as data comes.
+        # Likewise a stream is read one message at a time, in posting order.
+        before = None
+        latest: dict[int, _Recv] = {}
+        for r in requests:
+            if type(r) is _Recv and not r.done_:
+                r.prev = latest.get(r.peer)
+                latest[r.peer] = r
+                if r.combine is not None:
+                    r.after, before = before, r
+        pending = [r for r in requests if not r.done_]
+        idle = 0
+        while pending:
+            progressed = False
+            for r in pending:
+                if (self._pull(r) if type(r) is _Recv else self._push(r)):
+                    progressed = True
+            pending = [r for r in pending if not r.done_]
+            if progressed:
+                idle = 0
+            elif pending:
+                idle = self._idle(idle, {r.peer for r in pending})
+
+    def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
+        self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
+
+    def _idle(self, idle: int, peers: Any = ()) -> int:
+        """One more poll that found nothing; ``peers``: the local ranks (indices) awaited."""
+        idle += 1
+        if idle > self._spins:
+            if idle & 1023 == 0 and self._check is not None:
+                self._check([self.local[i] for i in peers])
+            os.sched_yield() if idle < 20000 else time.sleep(50e-6)
+        return idle
+
+    # -- sending
+
+    def _locate(self, request: _Send) -> None:
+        """Zero-copy when the data lies in one of this rank's shared windows."""
+        start = request.bytes.__array_interface__["data"][0]
+        stop = start + request.total
+        for lo, hi, window in self._window_spans:
+            if lo <= start and stop <= hi:
+                request.window, request.offset = window, start - lo
+                return
+
+    def _push(self, s: _Send) -> bool:
+        """Write what fits of ``s`` into the ring; True if anything moved."""
+        if s.prev is not None:
+            if s.prev.sent < s.prev.total:
+                return False
+            s.prev = None
+        i = s.peer
+        ring, words, size = self._out[i], self._out_words[i], self._ring
+        head = self._heads[i]
+        tail = int(self._control[i][self._layout.tail(self._me)])
+        if s.until >= 0:  # zero-copy, already posted: done once the receiver read it
+            if tail >= s.until:
+                s.done_ = True
+                return True
+            return False
+        progressed = False
+        while s.sent < s.total:
+            free = size - (head - tail)
+            pos = head % size
+            to_end = size - pos
+            if s.window >= 0:  # one header names where the data lies (a line always fits)
+                if free < LINE:
+                    break
+                w = pos // 8
+                words[w + 1 : w + 6] = (s.tag, s.total, s.total, s.offset, s.window)
+                words[w] = IN_WINDOW
+                head += LINE
+                s.sent = s.total
+                s.until = head
+                progressed = True
+                break
+            want = min(s.total - s.sent, self._piece)
+            room = to_end - LINE
+            if room < want and room < MIN_PIECE:
+                if free < to_end:
+                    break
+                words[pos // 8] = WRAP
+                head += to_end
+                progressed = True
+                continue
+            n = min(want, room, free - LINE)
+            if n < want:
+                n -= n % LINE
+            if n <= 0:
+                break
+            ring[pos + LINE : pos + LINE + n] = s.bytes[s.sent : s.sent + n]
+            w = pos // 8
+            words[w + 1] = s.tag
+            words[w + 2] = n
+            words[w + 3] = s.total
+            words[w] = INLINE
+            head += LINE + -(-n // LINE) * LINE
+            s.sent += n
+            progressed = True
+        if progressed:
+            self._fence()  # the records before the head that covers them
+            self._heads[i] = head
+            self._my_control[self._layout.head(i)] = head
+            if s.until < 0 and s.sent == s.total:
+                s.done_ = True  # inline: the data is in the ring; the buffer is free
+        return progressed
+
+    # -- receiving
+
+    def _pull(self, r: _Recv) -> bool:
+        """Consume what has arrived of ``r``; True if anything did."""
+        if (r.after is not None and not r.after.done_) or (r.prev is not None and
+                                                            not r.prev.done_):
+            return False
+        i = r.peer
+        head = int(self._control[i][self._layout.head(self._me)])
+        tail = self._tails[i]
+        if head == tail:
+            return False
+        self._fence()  # the records below head, after reading head
+        ring, words, size = self._in[i], self._in_words[i], self._ring
+        while tail < head and r.received < r.total:
+            pos = tail % size
+            w = pos // 8
+            kind = int(words[w])
+            if kind == WRAP:
+                tail += size - pos
+                continue
+            tag, n, total = int(words[w + 1]), int(words[w + 2]), int(words[w + 3])
+            if tag != r.tag or total != r.total:
+                raise ValueError(
+                    f"rank {self.rank} expects {r.total} bytes from rank {self.local[i]} "
+                    f"(tag {r.tag}), which sends {total} (tag {tag}); the ranks disagree on the "
+                    "call"
+                )
+            if kind == INLINE:
+                incoming = ring[pos + LINE : pos + LINE + n]
+                step = LINE + -(-n // LINE) * LINE
+            else:
+                offset, window = int(words[w + 4]), int(words[w + 5])
+                incoming = self._windows[window].segments[i][offset : offset + n]
+                step = LINE
+            if r.combine is None:
+                r.bytes[r.received : r.received + n] = incoming
+            else:
+                itemsize = r.buf.itemsize
+                r.combine(incoming.view(r.buf.dtype), r.received // itemsize)
+            r.received += n
+            tail += step
+        self._fence()  # reads of the records before the tail that frees them
+        self._tails[i] = tail
+        self._my_control[self._layout.tail(i)] = tail
+        if r.received == r.total:
+            r.done_ = True
+        return True
+
+    # -- the one-shot AllReduce
+
+    def allreduce_small(self, x: np.ndarray, out: np.ndarray, reduce: Callable) -> None:
+        """Every rank's ``x`` (flat, at most ``small_bytes``) combined into ``out``, for a group
+        that is all on this node: each rank copies ``x`` into its slot, publishes a sequence
+        number, waits for every peer's, and reduces all slots in rank order (so every rank gets
+        the same bits). Two slots alternate: a rank writes slot s at call k only after seeing
+        every peer reach call k-1, i.e. after they finished reading slot s at call k-2."""
+        seq = self._small_seq + 1
+        key = (x.dtype, x.size)
+        views = self._small_views.get(key)
+        if views is None:
+            views = self._small_views[key] = self._slot_views(x.dtype, x.size)
+        slots = views[seq & 1]
+        slots[self._me][...] = x
+        self._fence()
+        flag = self._layout.small_flag
+        self._my_control[flag] = seq
+        for i, control in self._peer_controls:
+            if control[flag] < seq:
+                idle = 0
+                while control[flag] < seq:
+                    idle = self._idle(idle, (i,))
+        self._fence()
+        self._small_seq = seq
+        if len(slots) == 1:
+            out[...] = slots[0]
+            return
+        reduce(out, slots[1], slots[0])
+        for k in range(2, len(slots)):
+            reduce(out, slots[k])
+
+    def _slot_views(self, dtype: np.dtype, count: int) -> tuple:
+        layout = self._layout
+        return tuple(
+            tuple(
+                s[layout.slot(parity) : layout.slot(parity) + count * dtype.itemsize].view(dtype)
+                for s in self._segments.segments
+            )
+            for parity in (0, 1)
+        )
+
+    # -- windows for user arrays (pycoll.empty)
+
+    def add_window(self, segments: Any) -> np.ndarray:
+        """Register a window every local rank made in the same call; returns this rank's
+        segment. Sends from it are not copied."""
+        window = len(self._windows)
+        self._windows.append(segments)
+        mine = segments.segments[self._me]
+        start = mine.__array_interface__["data"][0]
+        self._window_spans.append((start, start + mine.nbytes, window))
+        return mine
+
+    def free(self) -> None:
+        """Collective over the node: release the rings and every window."""
+        for window in self._windows:
+            window.free()
+        self._windows, self._window_spans = [], []
+        self._control, self._out, self._in, self._out_words, self._in_words = [], [], [], [], []
+        self._small_views.clear()
+        self._segments.free()
+
+
+class _Layout:
+    """Where each part of a segment lies (the same on every rank of the node)."""
+
+    def __init__(self, count: int, ring_bytes: int, small_bytes: int):
+        self.count = count
+        self.small_flag = 2 * count * _WORDS
+        self.control = (2 * count + 1) * LINE
+        self._slots = self.control
+        self._small = small_bytes
+        self._rings = self.control + 2 * small_bytes
+        self._ring = ring_bytes
+        self.bytes = self._rings + count * ring_bytes
+
+    def head(self, peer: int) -> int:
+        return peer * _WORDS
+
+    def tail(self, peer: int) -> int:
+        return (self.count + peer) * _WORDS
+
+    def slot(self, parity: int) -> int:
+        return self._slots + parity * self._small
+
+    def ring(self, peer: int) -> int:
+        return self._rings + peer * self._ring
+
+
+def segment_bytes(count: int, ring_bytes: int = RING_BYTES, small_bytes: int = SMALL_BYTES) -> int:
+    """Bytes of one rank's segment for a node of ``count`` ranks."""
+    return _Layout(count, ring_bytes, small_bytes).bytes
+
+
+def ring_bytes_from_env() -> int:
+    return _env_bytes("PYCOLL_SHM_RING_BYTES", RING_BYTES)

@@ -1,0 +1,277 @@
+"""The shared-memory transport (bindings/shm.py) on in-process ranks sharing arrays, against
+the oracle: every collective and family through the rings, long messages in pieces that wrap
+around small rings, routes that mix shared memory with messages, the one-shot AllReduce, and
+arrays from ``pycoll.empty`` sent without a copy. The same transport between MPI processes
+is run by tests/test_mpi.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import ALL_DTYPES, exact_input, ops_for
+
+import pycoll
+from pycoll import oracle
+from pycoll.algorithms import families_for
+from pycoll.bindings import shm
+from pycoll.schedule import Collective
+
+RANKS = [1, 2, 3, 5]
+SMALL_RING = 4 * shm.MIN_PIECE  # the smallest ring allowed: long messages wrap often
+MODES = {  # PYCOLL_RANKS_PER_NODE, PYCOLL_SHM_RING_BYTES
+    "one-node": ("", ""),
+    "small-rings": ("", str(SMALL_RING)),
+    "routed": ("2", str(SMALL_RING)),
+}
+
+
+def sizes(nranks: int) -> list[int]:
+    return sorted({0, 1, nranks + 1, 13, 1000, 9000})
+
+
+@pytest.fixture(params=list(MODES))
+def shared(request, monkeypatch):
+    per_node, ring = MODES[request.param]
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", per_node)
+    monkeypatch.setenv("PYCOLL_SHM_RING_BYTES", ring)
+    return request.param
+
+
+def cases(collective):
+    return [(a, n, c) for a in families_for(collective) for n in RANKS for c in sizes(n)]
+
+
+def pick(index):
+    dtype = ALL_DTYPES[index % len(ALL_DTYPES)]
+    ops = ops_for(dtype)
+    return dtype, ops[(index // len(ALL_DTYPES)) % len(ops)]
+
+
+def run(nranks, fn):
+    return pycoll.run_local(nranks, lambda: fn(pycoll.world().rank))
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.ALLREDUCE) + [
+    ("auto", n, c) for n in RANKS for c in sizes(n)])
+def test_allreduce(shared, algorithm, nranks, count):
+    index = nranks * 7 + count
+    dtype, op = pick(index)
+    inputs = [exact_input(r, count, dtype, op, index) for r in range(nranks)]
+    results = run(nranks, lambda r: pycoll.allreduce(inputs[r], op, algorithm=algorithm))
+    for result in results:
+        np.testing.assert_array_equal(result, oracle.allreduce(inputs, op))
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.REDUCE_SCATTER))
+def test_reduce_scatter_with_uneven_counts(shared, algorithm, nranks, count):
+    index = nranks * 5 + count
+    dtype, op = pick(index)
+    counts = [count // nranks + (1 if r < count % nranks else 0) for r in range(nranks)]
+    inputs = [exact_input(r, count, dtype, op, index) for r in range(nranks)]
+    results = run(nranks, lambda r: pycoll.reduce_scatter(inputs[r], op, counts=counts,
+                                                          algorithm=algorithm))
+    expected = oracle.reduce_scatter(inputs, op, counts)
+    for rank, result in enumerate(results):
+        np.testing.assert_array_equal(result, expected[rank])
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.ALLGATHER))
+def test_allgather(shared, algorithm, nranks, count):
+    dtype, _ = pick(count)
+    inputs = [exact_input(r, count, dtype, "sum") for r in range(nranks)]
+    results = run(nranks, lambda r: pycoll.allgather(inputs[r], algorithm=algorithm))
+    for result in results:
+        np.testing.assert_array_equal(result, oracle.allgather(inputs))
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.BROADCAST))
+def test_broadcast(shared, algorithm, nranks, count):
+    root = nranks - 1
+    inputs = [exact_input(r, count, np.dtype(np.int32), "sum") for r in range(nranks)]
+    results = run(nranks, lambda r: pycoll.broadcast(inputs[r].copy(), root,
+                                                     algorithm=algorithm))
+    for result in results:
+        np.testing.assert_array_equal(result, oracle.broadcast(inputs, root))
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.REDUCE))
+def test_reduce(shared, algorithm, nranks, count):
+    root = nranks // 2
+    inputs = [exact_input(r, count, np.dtype(np.int64), "max") for r in range(nranks)]
+    results = run(nranks, lambda r: pycoll.reduce(inputs[r], "max", root, algorithm=algorithm))
+    np.testing.assert_array_equal(results[root], oracle.reduce(inputs, "max", root))
+    assert all(result is None for rank, result in enumerate(results) if rank != root)
+
+
+@pytest.mark.parametrize("nranks", RANKS)
+def test_alltoall_alltoallv_and_send_recv(shared, nranks):
+    inputs = [np.arange(nranks * 3000, dtype=np.float32) + 100 * r for r in range(nranks)]
+    sends = [[(r + j) % 3 * 1000 for j in range(nranks)] for r in range(nranks)]
+
+    def body(rank):
+        everyone = pycoll.alltoall(inputs[rank])
+        varied = pycoll.alltoallv(inputs[rank][: sum(sends[rank])], sends[rank])
+        ring = np.full(4, -1.0, np.float32)
+        for turn in (rank % 2, 1 - rank % 2) if nranks > 1 else ():  # sends block: alternate
+            if turn == 0:
+                pycoll.send(np.full(4, rank, np.float32), (rank + 1) % nranks, tag=3)
+            else:
+                pycoll.recv(ring, (rank - 1) % nranks, tag=3)
+        return everyone, varied, ring
+
+    results = run(nranks, body)
+    arrivals = oracle.alltoall(inputs)
+    varied = oracle.alltoallv([inputs[r][: sum(sends[r])] for r in range(nranks)], sends)
+    for rank, (everyone, got, ring) in enumerate(results):
+        np.testing.assert_array_equal(everyone, arrivals[rank])
+        np.testing.assert_array_equal(got, varied[rank])
+        assert (ring == ((rank - 1) % nranks if nranks > 1 else -1)).all()
+
+
+def test_the_transport_is_shared_memory_where_ranks_share_a_node(monkeypatch):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", "2")
+
+    def body(rank):
+        comm = pycoll.world()
+        return type(comm.host_transport()).__name__, comm.host_kind(), comm.one_shot()
+
+    kinds = run(3, body)
+    # ranks 0 and 1 share a node; rank 2 is alone on its node, so it has messages only (the
+    # kind, which prices the schedules, is the group's: every rank must choose alike)
+    assert [k[:2] for k in kinds] == [("RoutedTransport", "shm"), ("RoutedTransport", "shm"),
+                                      ("LocalTransport", "shm")]
+    assert all(k[2] is None for k in kinds)  # one shot needs every rank on one node
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", "")
+    assert all(type(k[2]).__name__ == "SharedMemoryTransport" for k in run(3, body))
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 5])
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_one_shot_allreduce_every_op_and_dtype(monkeypatch, nranks, dtype):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    ops = ops_for(dtype)
+    inputs = {op: [exact_input(r, (3, 5), dtype, op, 9) for r in range(nranks)] for op in ops}
+
+    def body(rank):
+        results = {}
+        for op in ops:  # more calls than slots: each slot is reused several times
+            results[op] = pycoll.allreduce(inputs[op][rank], op)
+            again = inputs[op][rank].copy()
+            assert pycoll.allreduce(again, op, out=again) is again  # in place
+            np.testing.assert_array_equal(again, results[op])
+        return results
+
+    for results in run(nranks, body):
+        for op in ops:
+            flat = [x.reshape(-1) for x in inputs[op]]
+            np.testing.assert_array_equal(results[op].reshape(-1), oracle.allreduce(flat, op))
+
+
+def test_one_shot_gives_every_rank_the_same_bits(monkeypatch):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(1000).astype(np.float32) for _ in range(5)]
+    results = run(5, lambda r: pycoll.allreduce(inputs[r]))
+    for result in results[1:]:
+        assert result.tobytes() == results[0].tobytes()
+
+
+def test_one_shot_stands_aside_when_an_algorithm_is_forced(monkeypatch):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_ALGO", "ring")
+    assert run(2, lambda r: pycoll.world().one_shot()) == [None, None]
+
+
+def test_one_shot_reports_bad_out_like_the_general_path(monkeypatch):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+
+    def body(rank):
+        x = np.ones(4, np.float32)
+        with pytest.raises(TypeError, match="out.dtype=float64 but x.dtype=float32"):
+            pycoll.allreduce(x, out=np.empty(4))
+        with pytest.raises(ValueError, match="out overlaps x"):
+            big = np.ones(8, np.float32)
+            pycoll.allreduce(big[:4], out=big[2:6])
+        with pytest.raises(ValueError, match="'bogus'"):
+            pycoll.allreduce(x, "bogus")
+        return pycoll.allreduce(x)  # the ranks are still in step
+
+    for result in run(2, body):
+        np.testing.assert_array_equal(result, np.full(4, 2, np.float32))
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_arrays_from_empty_are_sent_without_a_copy(monkeypatch, nranks):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_SHM_RING_BYTES", str(SMALL_RING))
+    count = 50_000  # larger than a ring: a copy would travel in pieces
+    inputs = [exact_input(r, count, np.dtype(np.int32), "sum") for r in range(nranks)]
+    copies = []
+
+    def body(rank):
+        x = pycoll.empty(count, np.int32)
+        x[...] = inputs[rank]
+        out = pycoll.empty((count,), np.int32)
+        transport = pycoll.world()._shared
+        if transport is not None:
+            counted = transport._push
+
+            def push(request):  # count records of data copied into a ring
+                before = request.sent
+                moved = counted(request)
+                if request.window < 0 and request.sent > before:
+                    copies.append(request.sent - before)
+                return moved
+
+            transport._push = push
+        pycoll.allreduce(x, out=out, algorithm="two_shot")
+        gathered = pycoll.allgather(out[:10])
+        return out.copy(), gathered
+
+    results = run(nranks, body)
+    for out, gathered in results:
+        np.testing.assert_array_equal(out, oracle.allreduce(inputs, "sum"))
+        np.testing.assert_array_equal(gathered, np.tile(out[:10], nranks))
+    # only allgather's 10-element slices of out (not a window view's start) were copied
+    assert sum(copies) <= nranks * (nranks - 1) * 40
+
+
+def test_empty_validates_and_is_plain_numpy_without_peers():
+    assert isinstance(pycoll.empty(3), np.ndarray)
+    assert pycoll.empty((2, 3), np.int8).shape == (2, 3)
+    with pytest.raises(ValueError, match=r"empty: shape=\(2, -1\) is invalid"):
+        pycoll.empty((2, -1))
+
+
+def test_ranks_that_disagree_on_a_size_fail_with_both_sizes(monkeypatch):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+
+    def body(rank):
+        pycoll.allreduce(np.ones(1000 + rank * 10, np.float32), algorithm="ring")
+
+    with pytest.raises((ValueError, pycoll.PeerFailed), match="expects|disagree|failed"):
+        run(2, body)
+
+
+def test_a_rank_that_skips_a_collective_is_reported(monkeypatch):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+
+    def body(rank):
+        pycoll.allreduce(np.ones(3))  # makes the transport
+        if rank != 1:
+            pycoll.allreduce(np.ones(100_000), algorithm="ring")
+
+    with pytest.raises((pycoll.Deadlock, pycoll.PeerFailed)):
+        run(3, body)
+
+
+@pytest.mark.parametrize("name,value", [("PYCOLL_HOST_TRANSPORT", "fast"),
+                                        ("PYCOLL_SHM_RING_BYTES", "1000")])
+def test_bad_settings_are_named(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    if name != "PYCOLL_HOST_TRANSPORT":
+        monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    with pytest.raises(ValueError, match=f"{name}='{value}' is invalid"):
+        run(2, lambda r: pycoll.allreduce(np.ones(2)))
