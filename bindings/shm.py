@@ -16,7 +16,11 @@ plain arrays). A segment holds:
 
 A send whose buffer already lies in a shared window (:func:`pycoll.empty`) is not copied: its
 record names the window and offset, the receiver reads (or reduces) the data where it lies,
-and the send completes when the receiver's tail has passed the record. Messages between two
+and the send completes when the receiver's tail has passed the record. A long send from a
+plain array is not copied either where Linux lets ranks read each other's memory (cross-memory
+attach, ``process_vm_readv``, as MPICH and Open MPI use): its record names the address, and
+the receiver copies it straight into place, or reads it in cache-sized pieces that it reduces
+at once; ``PYCOLL_SHM_CMA=0`` turns this off. Messages between two
 ranks match in posting order; the tag and total size in each header are checked, so ranks
 that disagree on a call get an error naming both, not a wrong result.
 
@@ -28,6 +32,7 @@ core, so more ranks than cores still make progress.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -38,11 +43,13 @@ import numpy as np
 
 LINE = 64  # bytes of a cache line; every header and payload starts on one
 _WORDS = LINE // 8
-WRAP, INLINE, IN_WINDOW = 1, 2, 3  # record kinds
+WRAP, INLINE, IN_WINDOW, IN_PROCESS = 1, 2, 3, 4  # record kinds
+CMA_MIN_BYTES = 64 << 10  # from here on, a plain array is read from its owner's memory
+CMA_PIECE = 256 << 10  # a reduction reads a peer's array in pieces this large (cache-sized)
 MIN_PIECE = 4096  # less contiguous room than this before the ring's end: wrap instead
 SPINS = 200  # polls before a waiting rank starts yielding its core
 RING_BYTES = 8 << 20  # per peer: the stream to that peer
-SMALL_BYTES = 64 << 10  # one-shot AllReduce slot; larger calls take the schedules
+SMALL_BYTES = 2 << 20  # one-shot AllReduce slot; larger calls take the schedules
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -146,7 +153,8 @@ class _Send:
         self.peer, self.bytes, self.tag = peer, data, tag
         self.total = data.nbytes
         self.sent = 0
-        self.window = -1  # >= 0: the data lies in this window, at ``offset``
+        self.window = -1  # >= 0: the data lies in this window, at ``offset``; -2: read it
+        # from this process's memory at ``offset`` (an address)
         self.offset = 0
         self.until = -1  # zero-copy: done once the receiver's tail reaches this
         self.prev: _Send | None = None  # the send before it to the same peer
@@ -222,8 +230,36 @@ class SharedMemoryTransport:
         self._small_seq = 0
         self._small_views: dict[tuple, tuple] = {}
         self.ops: dict[tuple, tuple] = {}  # (dtype, op as given) -> (op, reducer), checked
+        self._readable = [False] * count  # peers whose memory this rank can read (CMA)
+        self._read_by = [False] * count  # peers that can read this rank's memory
+        self._scratch: np.ndarray | None = None  # a reduction's piece of a peer's array
         self._windows: list[Any] = []  # segments of pycoll.empty's windows, by id
         self._window_spans: list[tuple[int, int, int]] = []  # (start, stop, id) of mine
+
+    def connect(self) -> None:
+        """Collective over the node, once the segments exist: publish this process's id and
+        a probe word, then find which peers' memory this rank can read (cross-memory
+        attach), and tell them."""
+        self._segments.barrier()
+        count = len(self.local)
+        self._probe = np.array([0x5EED + self._me], np.int64)
+        at = self._layout.identity
+        self._my_control[at] = os.getpid()
+        self._my_control[at + 1] = self._probe.ctypes.data
+        self._segments.barrier()
+        mask = 0
+        if _cma_enabled() and count <= 63:
+            for i, control in self._peer_controls:
+                word = np.zeros(1, np.int64)
+                if _read_process(int(control[at]), int(control[at + 1]), word) and \
+                        word[0] == 0x5EED + i:
+                    self._readable[i] = True
+                    mask |= 1 << i
+        self._my_control[at + 2] = mask
+        self._segments.barrier()
+        for i, control in self._peer_controls:
+            self._read_by[i] = bool(int(control[at + 2]) >> self._me & 1)
+        self._pids = [int(c[at]) for c in self._control]
 
     # -- the two-sided interface
 
@@ -235,6 +271,8 @@ class SharedMemoryTransport:
             return request
         if self._window_spans:
             self._locate(request)
+        if request.window == -1 and request.total >= CMA_MIN_BYTES and self._read_by[i]:
+            request.window, request.offset = -2, data.ctypes.data
         last = self._last_send[i]  # a stream carries one message at a time, in order
         if last is not None and last.sent < last.total:
             request.prev = last
@@ -315,12 +353,12 @@ class SharedMemoryTransport:
             free = size - (head - tail)
             pos = head % size
             to_end = size - pos
-            if s.window >= 0:  # one header names where the data lies (a line always fits)
+            if s.window != -1:  # one header names where the data lies (a line always fits)
                 if free < LINE:
                     break
                 w = pos // 8
                 words[w + 1 : w + 6] = (s.tag, s.total, s.total, s.offset, s.window)
-                words[w] = IN_WINDOW
+                words[w] = IN_WINDOW if s.window >= 0 else IN_PROCESS
                 head += LINE
                 s.sent = s.total
                 s.until = head
@@ -385,6 +423,10 @@ class SharedMemoryTransport:
                     f"(tag {r.tag}), which sends {total} (tag {tag}); the ranks disagree on the "
                     "call"
                 )
+            if kind == IN_PROCESS:
+                self._read_from(i, int(words[w + 4]), n, r)
+                tail += LINE
+                continue
             if kind == INLINE:
                 incoming = ring[pos + LINE : pos + LINE + n]
                 step = LINE + -(-n // LINE) * LINE
@@ -405,6 +447,28 @@ class SharedMemoryTransport:
         if r.received == r.total:
             r.done_ = True
         return True
+
+    def _read_from(self, i: int, address: int, n: int, r: _Recv) -> None:
+        """Read ``n`` bytes at ``address`` in local peer i's process into ``r``: straight into
+        place for a copy; in cache-sized pieces, each reduced at once, for a reduction."""
+        pid = self._pids[i]
+        if r.combine is None:
+            into = r.bytes[r.received : r.received + n]
+            if not _read_process(pid, address, into):
+                raise OSError(f"rank {self.rank}: reading rank {self.local[i]}'s memory failed")
+            r.received += n
+            return
+        itemsize = r.buf.itemsize
+        piece = CMA_PIECE - CMA_PIECE % itemsize
+        if self._scratch is None:
+            self._scratch = np.empty(CMA_PIECE, np.uint8)
+        for start in range(0, n, piece):
+            size = min(piece, n - start)
+            into = self._scratch[:size]
+            if not _read_process(pid, address + start, into):
+                raise OSError(f"rank {self.rank}: reading rank {self.local[i]}'s memory failed")
+            r.combine(into.view(r.buf.dtype), (r.received + start) // itemsize)
+        r.received += n
 
     # -- the one-shot AllReduce
 
@@ -476,7 +540,8 @@ class _Layout:
     def __init__(self, count: int, ring_bytes: int, small_bytes: int):
         self.count = count
         self.small_flag = 2 * count * _WORDS
-        self.control = (2 * count + 1) * LINE
+        self.identity = (2 * count + 1) * _WORDS  # pid, probe address, peers readable
+        self.control = (2 * count + 2) * LINE
         self._slots = self.control
         self._small = small_bytes
         self._rings = self.control + 2 * small_bytes
@@ -503,3 +568,56 @@ def segment_bytes(count: int, ring_bytes: int = RING_BYTES, small_bytes: int = S
 
 def ring_bytes_from_env() -> int:
     return _env_bytes("PYCOLL_SHM_RING_BYTES", RING_BYTES)
+
+
+def _cma_enabled() -> bool:
+    text = os.environ.get("PYCOLL_SHM_CMA", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"PYCOLL_SHM_CMA={text!r} is invalid; allowed: 0 or 1")
+    return text == "1" and _libc() is not None
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+_LIBC: list = []
+
+
+def _libc() -> Any:
+    """libc with process_vm_readv declared, after letting any process of this user read this
+    one (Yama's ptrace scope 1 otherwise limits it to descendants); None where absent."""
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            read = libc.process_vm_readv
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+            return None
+        read.restype = ctypes.c_ssize_t
+        read.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                         ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+        set_ptracer, any_process = 0x59616D61, ctypes.c_ulong(-1)
+        libc.prctl(set_ptracer, any_process, 0, 0, 0)  # fails harmlessly without Yama
+        _LIBC.append(libc)
+    return _LIBC[0]
+
+
+def _read_process(pid: int, address: int, into: np.ndarray) -> bool:
+    """Copy ``into.nbytes`` bytes at ``address`` in process ``pid`` into ``into``."""
+    libc = _libc()
+    if libc is None:
+        return False
+    done, total, base = 0, into.nbytes, into.ctypes.data
+    while done < total:
+        local = _IoVec(base + done, total - done)
+        remote = _IoVec(address + done, total - done)
+        got = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            return False
+        done += got
+    return True
+
+
+def small_bytes_from_env() -> int:
+    return _env_bytes("PYCOLL_SHM_ONE_SHOT_BYTES", SMALL_BYTES)

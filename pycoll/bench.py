@@ -41,7 +41,7 @@ COLLECTIVES = {
     "alltoall": Collective.ALLTOALL,
 }
 CHECK_CHUNK = 1 << 20  # elements of the oracle computed at a time, to bound its memory
-DEVICES = ("host", "cuda")
+DEVICES = ("host", "shared", "cuda")
 
 
 def bus_factor(collective: Collective, nranks: int) -> float:
@@ -110,7 +110,9 @@ class Options:
     root: int = 0
     algorithms: tuple[str, ...] = ("auto",)
     against: str | None = None
-    device: str = "host"  # host: numpy arrays; cuda: CuPy arrays on this rank's GPU
+    # host: numpy arrays; shared: numpy arrays from pycoll.empty (in the node's shared
+    # memory, sent without a copy); cuda: CuPy arrays on this rank's GPU
+    device: str = "host"
     roofline: bool = False  # also report each row against the node's memory roofline
 
 
@@ -134,10 +136,11 @@ def validate(options: Options) -> Collective:
             )
     if options.device not in DEVICES:
         raise ValueError(f"--device={options.device!r}; allowed: {', '.join(DEVICES)}")
-    if options.roofline and options.device != "host":
-        raise ValueError("--roofline measures host memory; allowed with --device host")
-    if options.against == "mpi" and options.device != "host":
-        raise ValueError("--against mpi times host arrays only; allowed with --device host")
+    if options.roofline and options.device == "cuda":
+        raise ValueError("--roofline measures host memory; allowed with --device host or shared")
+    if options.against == "mpi" and options.device == "cuda":
+        raise ValueError("--against mpi times host arrays only; allowed with --device host or "
+                         "shared")
     if options.against not in (None, "mpi"):
         raise ValueError(f"--against={options.against!r}; allowed: mpi")
     if options.against == "mpi" and (
@@ -230,8 +233,8 @@ class _Case:
         in_count = count // p if collective is Collective.ALLGATHER else count
         out_count = count // p if collective is Collective.REDUCE_SCATTER else count
         self.memory = _Memory(options.device, comm)
-        self.x = self.memory.zeros(in_count, dtype)
-        self.out = self.memory.zeros(out_count, dtype)
+        self.x = self.memory.zeros(in_count, dtype, "x")
+        self.out = self.memory.zeros(out_count, dtype, "out")
 
     def fill_for_check(self) -> None:
         values = _check_values(self.comm.rank, 0, self.x.size, self.op, self.dtype,
@@ -319,13 +322,17 @@ class _Case:
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
+_SHARED_ARRAYS: dict[tuple, np.ndarray] = {}
+
+
 class _Memory:
     """Where a benchmark's buffers live: numpy, or CuPy on the GPU of this rank's node-local
     index (ranks beyond the GPU count share GPUs), each rank with a stream of its own."""
 
     def __init__(self, device: str, comm: Communicator):
-        self.device = device
-        if device == "host":
+        self.device, self.comm = device, comm
+        self.on_host = device != "cuda"
+        if self.on_host:
             return
         try:
             import cupy
@@ -346,29 +353,36 @@ class _Memory:
         cupy.cuda.Device(local % devices).use()
         self.stream = cupy.cuda.Stream(non_blocking=True)
 
-    def zeros(self, count: int, dtype: np.dtype):
+    def zeros(self, count: int, dtype: np.dtype, role: str):
+        if self.device == "shared":  # kept per shape: windows live as long as the comm
+            key = (id(self.comm), role, count, dtype)
+            kept = _SHARED_ARRAYS.get(key)
+            if kept is None:
+                kept = _SHARED_ARRAYS[key] = pycoll.empty(count, dtype, comm=self.comm)
+            kept[...] = 0
+            return kept
         if self.device == "host":
             return np.zeros(count, dtype)
         with self.stream:
             return self.cupy.zeros(count, dtype)
 
     def upload(self, values: np.ndarray):
-        if self.device == "host":
+        if self.on_host:
             return values
         with self.stream:
             return self.cupy.asarray(values)
 
     def download(self, x) -> np.ndarray:
-        if self.device == "host":
+        if self.on_host:
             return x
         self.stream.synchronize()
         return x.get()
 
     def on_stream(self):
-        return contextlib.nullcontext() if self.device == "host" else self.stream
+        return contextlib.nullcontext() if self.on_host else self.stream
 
     def synchronize(self) -> None:
-        if self.device != "host":
+        if not self.on_host:
             self.stream.synchronize()
 
 

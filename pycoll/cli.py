@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="comma-separated families and/or auto, or 'all'")
     bench.add_argument("--against", choices=["mpi"], help="also time mpi4py's native collective")
     bench.add_argument("--ranks", type=int, help="in-process ranks (default: the MPI job)")
-    bench.add_argument("--device", default="host", choices=["host", "cuda"],
-                       help="host: numpy arrays; cuda: CuPy arrays on the GPU (default host)")
+    bench.add_argument("--device", default="host", choices=["host", "shared", "cuda"],
+                       help="host: numpy arrays; shared: numpy arrays from pycoll.empty; cuda: "
+                       "CuPy arrays on the GPU (default host)")
     bench.add_argument("--roofline", action="store_true",
                        help="also report each row as a percentage of the node's memory roofline")
     bench.add_argument("--backend", default="cupy,numba",

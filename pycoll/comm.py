@@ -22,8 +22,8 @@ from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi, node_of_each
 from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
 from pycoll.bindings.transport import Transport
 
-_TAG_LIMIT = 32767
-_UNSET = object()  # the smallest MPI_TAG_UB the MPI standard allows
+_TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
+_UNSET = object()
 
 
 class Communicator:
@@ -106,7 +106,7 @@ class Communicator:
         self._host_kind = "mpi" if self.mpi_comm is not None else "local"
         if self.size == 1 or mode == "mpi" or (mode == "auto" and self.mpi_comm is None):
             return self.transport
-        ring = shm.ring_bytes_from_env()
+        ring, small = shm.ring_bytes_from_env(), shm.small_bytes_from_env()
         if self.mpi_comm is not None:
             per_node = os.environ.get("PYCOLL_RANKS_PER_NODE")
             if per_node:
@@ -123,7 +123,7 @@ class Communicator:
             self._node_comm = self.mpi_comm.Split(nodes[self.rank], self.rank)
             if len(local) == 1:
                 return self.transport
-            segments = shm.MpiSegments(self._node_comm, shm.segment_bytes(len(local), ring))
+            segments = shm.MpiSegments(self._node_comm, shm.segment_bytes(len(local), ring, small))
             check = None  # a rank that dies takes the MPI job down
         else:
             host = self.transport
@@ -136,12 +136,12 @@ class Communicator:
 
             segments = shm.ThreadSegments(
                 world.shared, (host.channel, "shm", nodes[self.rank]), local.index(self.rank),
-                local, shm.segment_bytes(len(local), ring), check,
+                local, shm.segment_bytes(len(local), ring, small), check,
             )
         self._shared = shm.SharedMemoryTransport(
-            segments, self.rank, self.size, local, ring, check=check
+            segments, self.rank, self.size, local, ring, small, check=check
         )
-        segments.barrier()  # every segment exists (and is zeroed) before anyone writes
+        self._shared.connect()  # every segment exists (and is zeroed) before anyone writes
         if len(local) == self.size:
             return self._shared
         remote = Delivered(self.transport)

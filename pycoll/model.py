@@ -63,6 +63,9 @@ class Topology:
     ranks_per_node: int = 0  # 0: every rank on one node
     ports: str = "single"  # "single" or "multi"
     nranks: int = 0  # the rank count these costs were measured at (0: any)
+    # False where the transport already pipelines a long message (pieces through shared
+    # memory, reads from the sender's memory): segments would only add steps
+    segments: bool = True
     source: str = "built-in defaults"
     # Measured per-byte costs by size, (name, ((bytes, seconds per byte), ...)), for name in
     # intra, inter (per message), gamma (per reduction), delta (per copy): a cache holds a

@@ -40,9 +40,11 @@ DEFAULTS = {
         name="MPI", intra=model.Link(8e-6, 1 / 4e9), inter=model.Link(15e-6, 1 / 10e9),
         gamma=1 / 2e9, delta=1 / 8e9,
     ),
+    # a step's messages all progress at once in one polling loop: alpha once per step; long
+    # messages are pipelined by the transport itself, so no segments
     "shm": model.Topology(
         name="shared memory", intra=model.Link(4e-6, 1 / 10e9), inter=model.Link(15e-6, 1 / 10e9),
-        gamma=1 / 4e9, delta=1 / 10e9,
+        gamma=1 / 4e9, delta=1 / 10e9, ports="multi", segments=False,
     ),
     "cuda": model.Topology(
         name="CUDA peer memory", intra=model.Link(30e-6, 1 / 1.5e12),
@@ -125,6 +127,8 @@ def plan_for(
     else:
         families, reason = [algorithm], f"algorithm={algorithm!r}"
     segments = None if FORCED_SEGMENTS is None else (FORCED_SEGMENTS,)
+    if segments is None and not topology.segments:
+        segments = (1,)
     if FORCED_SEGMENTS is not None:
         reason += f", PYCOLL_SEGMENTS={FORCED_SEGMENTS}"
     found = rank_candidates(collective, nbytes, nranks, topology, itemsize, root, families,

@@ -18,10 +18,11 @@ from pycoll.schedule import Collective
 
 RANKS = [1, 2, 3, 5]
 SMALL_RING = 4 * shm.MIN_PIECE  # the smallest ring allowed: long messages wrap often
-MODES = {  # PYCOLL_RANKS_PER_NODE, PYCOLL_SHM_RING_BYTES
-    "one-node": ("", ""),
-    "small-rings": ("", str(SMALL_RING)),
-    "routed": ("2", str(SMALL_RING)),
+MODES = {  # PYCOLL_RANKS_PER_NODE, PYCOLL_SHM_RING_BYTES, PYCOLL_SHM_CMA, CMA_MIN_BYTES
+    "one-node": ("", "", "1", shm.CMA_MIN_BYTES),
+    "small-rings": ("", str(SMALL_RING), "0", 0),  # every message through the rings
+    "routed": ("2", str(SMALL_RING), "0", 0),
+    "cross-memory": ("", "", "1", 1),  # every message read from the sender's array
 }
 
 
@@ -31,10 +32,13 @@ def sizes(nranks: int) -> list[int]:
 
 @pytest.fixture(params=list(MODES))
 def shared(request, monkeypatch):
-    per_node, ring = MODES[request.param]
+    per_node, ring, cma, cma_min = MODES[request.param]
     monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
     monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", per_node)
     monkeypatch.setenv("PYCOLL_SHM_RING_BYTES", ring)
+    monkeypatch.setenv("PYCOLL_SHM_CMA", cma)
+    monkeypatch.setattr(shm, "CMA_MIN_BYTES", cma_min)
+    monkeypatch.setattr(shm, "CMA_PIECE", 4096)  # reductions read in many pieces
     return request.param
 
 
@@ -145,6 +149,19 @@ def test_the_transport_is_shared_memory_where_ranks_share_a_node(monkeypatch):
     assert all(k[2] is None for k in kinds)  # one shot needs every rank on one node
     monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", "")
     assert all(type(k[2]).__name__ == "SharedMemoryTransport" for k in run(3, body))
+
+
+def test_peers_find_each_others_memory_readable(monkeypatch):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+
+    def body(rank):
+        transport = pycoll.world().host_transport()
+        return transport._readable, transport._read_by
+
+    for rank, (readable, read_by) in enumerate(run(3, body)):
+        assert readable == read_by == [peer != rank for peer in range(3)]
+    monkeypatch.setenv("PYCOLL_SHM_CMA", "0")
+    assert all(r == ([False] * 3, [False] * 3) for r in run(3, body))
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 5])
@@ -268,7 +285,9 @@ def test_a_rank_that_skips_a_collective_is_reported(monkeypatch):
 
 
 @pytest.mark.parametrize("name,value", [("PYCOLL_HOST_TRANSPORT", "fast"),
-                                        ("PYCOLL_SHM_RING_BYTES", "1000")])
+                                        ("PYCOLL_SHM_RING_BYTES", "1000"),
+                                        ("PYCOLL_SHM_ONE_SHOT_BYTES", "x"),
+                                        ("PYCOLL_SHM_CMA", "yes")])
 def test_bad_settings_are_named(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     if name != "PYCOLL_HOST_TRANSPORT":
