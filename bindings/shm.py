@@ -480,13 +480,18 @@ class SharedMemoryTransport:
         every peer reach call k-1, i.e. after they finished reading slot s at call k-2."""
         seq = self._small_seq + 1
         key = (x.dtype, x.size)
-        views = self._small_views.get(key)
-        if views is None:
-            views = self._small_views[key] = self._slot_views(x.dtype, x.size)
+        entry = self._small_views.get(key)
+        if entry is None:
+            # what every rank must agree on: count and dtype, in one word
+            entry = (self._slot_views(x.dtype, x.size), x.size << 16 | x.dtype.num & 0xFFFF)
+            self._small_views[key] = entry
+        views, signature = entry
         slots = views[seq & 1]
         slots[self._me][...] = x
-        self._fence()
         flag = self._layout.small_flag
+        agreed = flag + 1 + (seq & 1)  # per slot: a peer one call ahead writes the other
+        self._my_control[agreed] = signature
+        self._fence()
         self._my_control[flag] = seq
         for i, control in self._peer_controls:
             if control[flag] < seq:
@@ -494,6 +499,14 @@ class SharedMemoryTransport:
                 while control[flag] < seq:
                     idle = self._idle(idle, (i,))
         self._fence()
+        for i, control in self._peer_controls:
+            if control[agreed] != signature:
+                theirs = int(control[agreed])
+                raise ValueError(
+                    f"allreduce: rank {self.rank} passed {x.size} elements of {x.dtype} but rank "
+                    f"{self.local[i]} passed {theirs >> 16} of {_dtype_name(theirs & 0xFFFF)}; "
+                    "every rank must pass the same count and dtype"
+                )
         self._small_seq = seq
         if len(slots) == 1:
             out[...] = slots[0]
@@ -568,6 +581,14 @@ def segment_bytes(count: int, ring_bytes: int = RING_BYTES, small_bytes: int = S
 
 def ring_bytes_from_env() -> int:
     return _env_bytes("PYCOLL_SHM_RING_BYTES", RING_BYTES)
+
+
+def _dtype_name(number: int) -> str:
+    """The name of the numpy dtype whose ``num`` is ``number`` (as far as numpy knows it)."""
+    for char in np.typecodes["All"]:
+        if np.dtype(char).num & 0xFFFF == number:
+            return str(np.dtype(char))
+    return f"dtype number {number}"
 
 
 def _cma_enabled() -> bool:

@@ -55,7 +55,7 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
     """The small AllReduce over shared memory (every rank on one node), with the checks of
     the general path done once per (dtype, op) and the common ``out`` cases checked inline;
     None when it does not apply, and the general path then runs (and reports any error)."""
-    shared = comm.one_shot()
+    shared = comm.one_shot_transport
     if shared is None or x.nbytes > shared.small_bytes or not x.flags.c_contiguous:
         return None
     known = shared.ops.get((x.dtype, op))
@@ -68,7 +68,8 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
         out = np.empty_like(x)
     elif not (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
               and out.flags.c_contiguous and out.flags.writeable
-              and (out is x or not np.may_share_memory(out, x))):
+              and (out is x or (out.base is None and x.base is None)  # own their memory
+                   or not np.may_share_memory(out, x))):
         out = _out(out, x, x.shape, "allreduce", may_alias=True)  # raises, or in place
     flat = out if out.ndim == 1 else out.reshape(-1)
     shared.allreduce_small(x if x.ndim == 1 else x.reshape(-1), flat, reducer)

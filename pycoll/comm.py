@@ -84,6 +84,12 @@ class Communicator:
         self.host_transport()
         return self._host_kind
 
+    @property
+    def one_shot_transport(self) -> Any:
+        """:meth:`one_shot`, read on the small AllReduce's path."""
+        found = self._one_shot
+        return self.one_shot() if found is _UNSET else found
+
     def one_shot(self) -> Any:
         """The shared-memory endpoint that serves small AllReduces in one shot, when it
         reaches every rank and ``PYCOLL_ALGO`` forces no AllReduce family; else None."""

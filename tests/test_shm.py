@@ -272,6 +272,27 @@ def test_ranks_that_disagree_on_a_size_fail_with_both_sizes(monkeypatch):
         run(2, body)
 
 
+def test_one_shot_ranks_that_disagree_fail_on_every_rank(monkeypatch):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    errors = []
+
+    def body(rank):
+        pycoll.allreduce(np.ones(4, np.float32))  # agreeing calls first: both slots used
+        pycoll.allreduce(np.ones(8, np.float32))
+        try:
+            pycoll.allreduce(np.ones(3, np.float32 if rank == 0 else np.int64))
+        except ValueError as error:
+            errors.append(str(error))
+
+    run(2, body)
+    assert sorted(errors) == [
+        "allreduce: rank 0 passed 3 elements of float32 but rank 1 passed 3 of int64; every "
+        "rank must pass the same count and dtype",
+        "allreduce: rank 1 passed 3 elements of int64 but rank 0 passed 3 of float32; every "
+        "rank must pass the same count and dtype",
+    ]
+
+
 def test_a_rank_that_skips_a_collective_is_reported(monkeypatch):
     monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
 
