@@ -336,9 +336,11 @@ def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,
 
 def _comm(comm: Communicator | None) -> Communicator:
     if comm is None:
-        return world()
-    if not isinstance(comm, Communicator):
+        comm = world()
+    elif not isinstance(comm, Communicator):
         raise TypeError(f"comm={comm!r} is not a pycoll.Communicator; allowed: one, or None")
+    if comm.freed:
+        raise RuntimeError(f"{comm!r} was freed (Communicator.free); allowed: a live one")
     return comm
 
 

@@ -56,6 +56,7 @@ class Communicator:
         self.size = transport.size
         self._sequence = 0
         self._splits = 0
+        self.freed = False
         self.prepared: dict[tuple, tuple] = {}  # per call shape: schedule, program, reducer
         self._device_transports: dict[tuple, Any] = {}
         self.topologies: dict[str, Any] = {}  # per kind of transport: the costs selection uses
@@ -209,6 +210,32 @@ class Communicator:
             self._device_transports[key] = transport
         return transport
 
+    def free(self) -> None:
+        """Release what this communicator holds: its shared memory (rings and ``pycoll.empty``
+        windows; arrays from ``pycoll.empty`` must not be used afterwards), its device
+        buffers, and its MPI duplicates. Collective: every rank calls it; later calls on this
+        communicator raise."""
+        if self.freed:
+            return
+        if self._device_transports:
+            self.free_device_buffers()
+        from pycoll.api import barrier
+
+        barrier(self)  # nobody still reads a peer's memory
+        if self._shared is not None:
+            self._shared.free()
+        if self._node_comm is not None:
+            self._node_comm.Free()
+        for transport in {id(t): t for t in (self.transport, self.p2p)}.values():
+            getattr(transport, "free", lambda: None)()
+        freed = _Freed(self.rank, self.size)
+        self.transport = self.p2p = self._host = freed
+        self._shared = self._node_comm = None
+        self._one_shot = None
+        self.prepared.clear()
+        self._buffers.clear()
+        self.freed = True
+
     def free_device_buffers(self) -> None:
         """Unmap peers' device buffers, wait for every rank to do the same, then free this
         rank's own (memory must outlive every mapping of it). Collective: every rank calls it;
@@ -283,6 +310,20 @@ class Communicator:
     def __repr__(self) -> str:
         kind = "MPI" if self.mpi_comm is not None else "in-process"
         return f"Communicator(rank={self.rank}, size={self.size}, {kind})"
+
+
+class _Freed:
+    """The transport of a freed communicator: every use is an error."""
+
+    delivers = False
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def _error(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"rank {self.rank}: this communicator was freed (Communicator.free)")
+
+    isend = irecv = waitall = sendrecv = _error
 
 
 DEVICE_TRANSPORTS = ("auto", "ipc", "staged")

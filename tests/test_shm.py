@@ -315,3 +315,22 @@ def test_bad_settings_are_named(monkeypatch, name, value):
         monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
     with pytest.raises(ValueError, match=f"{name}='{value}' is invalid"):
         run(2, lambda r: pycoll.allreduce(np.ones(2)))
+
+
+@pytest.mark.parametrize("transport", ["shm", "auto"])
+def test_free_releases_the_shared_memory_and_later_calls_fail(monkeypatch, transport):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", transport)
+
+    def body(rank):
+        comm = pycoll.world().split(0)
+        x = pycoll.empty(10, np.int32, comm=comm)
+        x[...] = rank
+        total = pycoll.allreduce(x, comm=comm).copy()
+        comm.free()
+        comm.free()  # twice is harmless
+        with pytest.raises(RuntimeError, match="was freed"):
+            pycoll.allreduce(np.ones(2), comm=comm)
+        return total
+
+    for total in run(3, body):
+        np.testing.assert_array_equal(total, np.full(10, 3, np.int32))

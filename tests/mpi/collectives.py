@@ -149,6 +149,16 @@ def check_point_to_point_and_groups() -> None:
         case(f"interleaved split {i}", on_half, np.array([sum(members) * i]))
     group = pycoll.new_group([0], comm=comm)
     case("new_group outside", np.array(group is None), np.array(RANK != 0))
+    shared = pycoll.empty(1000, np.int64, comm=halves)  # sent in place, then freed
+    shared[...] = RANK
+    got = pycoll.allreduce(shared, comm=halves, algorithm="two_shot")
+    case("allreduce of pycoll.empty", got, np.full(1000, sum(members)))
+    halves.free()
+    try:
+        pycoll.allreduce(np.ones(2), comm=halves)
+        case("a freed communicator refuses", np.array(False), np.array(True))
+    except RuntimeError:
+        case("a freed communicator refuses", np.array(True), np.array(True))
     pycoll.barrier()
 
 
