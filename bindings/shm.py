@@ -207,7 +207,9 @@ class SharedMemoryTransport:
         count = len(self.local)
         self._ring = ring_bytes
         # more ranks than cores: a spinning rank holds the core its peer needs, so yield at once
-        self._spins = SPINS if count <= len(os.sched_getaffinity(0)) else 0
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        self._spins = SPINS if count <= cores else 0
         self._piece = max(MIN_PIECE, ring_bytes // 4 // LINE * LINE)
         self.small_bytes = small_bytes
         layout = _Layout(count, ring_bytes, small_bytes)
