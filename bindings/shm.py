@@ -218,6 +218,8 @@ class SharedMemoryTransport:
         self._control = [s[: layout.control].view(np.int64) for s in seg]
         self._my_control = self._control[self._me]
         self._peer_controls = [(i, c) for i, c in enumerate(self._control) if i != self._me]
+        self._head_word = layout.head(self._me)  # in a peer's control: its stream to me
+        self._tail_word = layout.tail(self._me)  # in a peer's control: what it read of mine
         self._my_control[:] = 0  # MPI does not zero a window; peers read it after a barrier
         # my stream to peer i, and peer i's stream to me
         self._out = [seg[self._me][layout.ring(i) : layout.ring(i) + ring_bytes]
@@ -344,7 +346,7 @@ class SharedMemoryTransport:
         i = s.peer
         ring, words, size = self._out[i], self._out_words[i], self._ring
         head = self._heads[i]
-        tail = int(self._control[i][self._layout.tail(self._me)])
+        tail = int(self._control[i][self._tail_word])
         if s.until >= 0:  # zero-copy, already posted: done once the receiver read it
             if tail >= s.until:
                 s.done_ = True
@@ -405,7 +407,7 @@ class SharedMemoryTransport:
                                                             not r.prev.done_):
             return False
         i = r.peer
-        head = int(self._control[i][self._layout.head(self._me)])
+        head = int(self._control[i][self._head_word])
         tail = self._tails[i]
         if head == tail:
             return False
@@ -414,11 +416,10 @@ class SharedMemoryTransport:
         while tail < head and r.received < r.total:
             pos = tail % size
             w = pos // 8
-            kind = int(words[w])
+            kind, tag, n, total, offset, window = words[w : w + 6].tolist()
             if kind == WRAP:
                 tail += size - pos
                 continue
-            tag, n, total = int(words[w + 1]), int(words[w + 2]), int(words[w + 3])
             if tag != r.tag or total != r.total:
                 raise ValueError(
                     f"rank {self.rank} expects {r.total} bytes from rank {self.local[i]} "
@@ -426,14 +427,13 @@ class SharedMemoryTransport:
                     "call"
                 )
             if kind == IN_PROCESS:
-                self._read_from(i, int(words[w + 4]), n, r)
+                self._read_from(i, offset, n, r)
                 tail += LINE
                 continue
             if kind == INLINE:
                 incoming = ring[pos + LINE : pos + LINE + n]
                 step = LINE + -(-n // LINE) * LINE
             else:
-                offset, window = int(words[w + 4]), int(words[w + 5])
                 incoming = self._windows[window].segments[i][offset : offset + n]
                 step = LINE
             if r.combine is None:
@@ -476,10 +476,26 @@ class SharedMemoryTransport:
 
     def allreduce_small(self, x: np.ndarray, out: np.ndarray, reduce: Callable) -> None:
         """Every rank's ``x`` (flat, at most ``small_bytes``) combined into ``out``, for a group
-        that is all on this node: each rank copies ``x`` into its slot, publishes a sequence
-        number, waits for every peer's, and reduces all slots in rank order (so every rank gets
-        the same bits). Two slots alternate: a rank writes slot s at call k only after seeing
-        every peer reach call k-1, i.e. after they finished reading slot s at call k-2."""
+        that is all on this node: each rank publishes ``x`` (:meth:`_publish_small`), then
+        reduces all slots in rank order (so every rank gets the same bits)."""
+        slots = self._publish_small(x, "allreduce")
+        if len(slots) == 1:
+            out[...] = slots[0]
+            return
+        reduce(out, slots[1], slots[0])
+        for k in range(2, len(slots)):
+            reduce(out, slots[k])
+
+    def allgather_small(self, x: np.ndarray) -> np.ndarray:
+        """Every rank's ``x`` (flat, at most ``small_bytes``, alike on every rank) as the rows
+        of a new array, in rank order, in one round."""
+        return np.stack(self._publish_small(x, "allgather"))
+
+    def _publish_small(self, x: np.ndarray, collective: str) -> tuple:
+        """Copy ``x`` into this rank's slot, publish a sequence number, wait for every peer's;
+        returns every rank's slot, which may be read until this rank's next call. Two slots
+        alternate: a rank writes slot s at call k only after seeing every peer reach call k-1,
+        i.e. after they finished reading slot s at call k-2."""
         seq = self._small_seq + 1
         key = (x.dtype, x.size)
         entry = self._small_views.get(key)
@@ -505,17 +521,13 @@ class SharedMemoryTransport:
             if control[agreed] != signature:
                 theirs = int(control[agreed])
                 raise ValueError(
-                    f"allreduce: rank {self.rank} passed {x.size} elements of {x.dtype} but rank "
-                    f"{self.local[i]} passed {theirs >> 16} of {_dtype_name(theirs & 0xFFFF)}; "
-                    "every rank must pass the same count and dtype"
+                    f"{collective}: rank {self.rank} passed {x.size} elements of {x.dtype} but "
+                    f"rank {self.local[i]} passed {theirs >> 16} of "
+                    f"{_dtype_name(theirs & 0xFFFF)}; every rank must pass the same count and "
+                    "dtype"
                 )
         self._small_seq = seq
-        if len(slots) == 1:
-            out[...] = slots[0]
-            return
-        reduce(out, slots[1], slots[0])
-        for k in range(2, len(slots)):
-            reduce(out, slots[k])
+        return slots
 
     def _slot_views(self, dtype: np.dtype, count: int) -> tuple:
         layout = self._layout

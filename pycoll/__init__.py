@@ -1,5 +1,6 @@
 """pycoll: collective communication whose algorithms are readable, checked data."""
 
+from pycoll.agree import CollectiveMismatch
 from pycoll.api import (
     allgather,
     allreduce,
@@ -22,6 +23,7 @@ from pycoll.kernels import ReduceOp
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveMismatch",
     "Communicator",
     "Deadlock",
     "PeerFailed",

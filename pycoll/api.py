@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pycoll import algorithms, select
+from pycoll import agree, algorithms, select
 from pycoll.comm import Communicator, world
 from pycoll.execute import compile_program, run
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
@@ -64,6 +64,8 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
         parsed = _op(op, x, "allreduce")
         known = shared.ops[(x.dtype, op)] = (parsed, HOST.reducer(parsed, x.dtype))
     parsed, reducer = known
+    if comm.check:
+        _agree(comm, Collective.ALLREDUCE, x, parsed, "auto", None, None)
     if out is None:
         out = np.empty_like(x)
     elif not (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
@@ -490,6 +492,8 @@ def _run(
     schedule, its compiled program, the reducer) is prepared once per communicator, so the
     repeated small call does one dictionary lookup before moving data.
     """
+    if comm.check and not comm.agreeing and collective is not Collective.SENDRECV:
+        _agree(comm, collective, x, op, algorithm, blocks, root)
     space = space_of(x)
     # PYCOLL_ALGO is read when a call shape is first prepared (see select.py)
     key = (collective, algorithm, x.dtype, x.size, op, root, peer, input_blocks, blocks,
@@ -498,7 +502,7 @@ def _run(
     if prepared is None:
         prepared = _prepare(comm, key)
     schedule, program, reduce, plan = prepared
-    if select.DEBUG:
+    if select.DEBUG and not comm.agreeing:  # the agreement's own exchange is not news
         select.report(plan, comm.rank)
     source = x if x.ndim == 1 else x.reshape(-1)
     target = work if work.ndim == 1 else work.reshape(-1)
@@ -515,6 +519,22 @@ def _run(
     if program.scratch_elements and not getattr(transport, "delivers", False):
         scratch = comm.buffer("scratch", program.scratch_elements, target.dtype, space)
     run(program, source, target, transport, tag, reduce, space, scratch)
+
+
+def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,
+           algorithm: str, blocks: tuple[int, ...] | None, root: int | None) -> None:
+    """The agreement check (pycoll/agree.py): what every rank must pass alike."""
+    comm.agreements += 1
+    if collective is Collective.ALLTOALL:  # per-peer counts: exchanged and checked already
+        count, counts = None, None
+    elif collective is Collective.ALLGATHER:  # ranks' inputs may differ; the output not
+        count, counts = sum(blocks), blocks
+    else:
+        count, counts = x.size, blocks
+    agree.agree(comm, agree.signature(
+        collective.value, str(algorithm), None if op is None else op.value, x.dtype, count,
+        counts, root, comm.agreements,
+    ))
 
 
 def _prepare(comm: Communicator, key: tuple) -> tuple:

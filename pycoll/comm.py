@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pycoll import agree
 from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
 from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi, node_of_each_rank
 from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
@@ -57,6 +58,10 @@ class Communicator:
         self._sequence = 0
         self._splits = 0
         self.freed = False
+        # PYCOLL_CHECK: each collective first agrees on its arguments (pycoll/agree.py)
+        self.check = agree.enabled_by_default()
+        self.agreeing = False  # inside the agreement's own exchange
+        self.agreements = 0  # collectives checked so far: the sequence number
         self.prepared: dict[tuple, tuple] = {}  # per call shape: schedule, program, reducer
         self._device_transports: dict[tuple, Any] = {}
         self.topologies: dict[str, Any] = {}  # per kind of transport: the costs selection uses
@@ -85,6 +90,12 @@ class Communicator:
         self.host_transport()
         return self._host_kind
 
+    def node_transport(self) -> Any:
+        """The shared-memory endpoint when it reaches every rank of this communicator."""
+        self.host_transport()
+        shared = self._shared
+        return shared if shared is not None and len(shared.local) == self.size else None
+
     @property
     def one_shot_transport(self) -> Any:
         """:meth:`one_shot`, read on the small AllReduce's path."""
@@ -98,11 +109,9 @@ class Communicator:
             from pycoll.schedule import Collective
             from pycoll.select import forced_algorithm
 
-            self.host_transport()
-            shared = self._shared
-            reaches_all = shared is not None and len(shared.local) == self.size
+            shared = self.node_transport()
             forced = forced_algorithm(Collective.ALLREDUCE) is not None
-            self._one_shot = shared if reaches_all and not forced else None
+            self._one_shot = shared if not forced else None
         return self._one_shot
 
     def _make_host_transport(self) -> Any:

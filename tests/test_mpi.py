@@ -61,6 +61,13 @@ def test_every_collective_over_each_host_transport(nranks, settings):
     assert ", 0 failed" in output
 
 
+def test_a_disagreement_is_named_on_every_process():
+    done = launch(3, str(HERE / "agree.py"), PYCOLL_CHECK="1")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "agreement on 3 ranks: 3 of 3 named the mismatch" in output
+
+
 def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
