@@ -10,13 +10,14 @@ and is reported. No rank can wait forever: when a rank raises, every other rank'
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from pycoll.bindings.transport import PeerFailed
+from pycoll.bindings.transport import PeerFailed, WaitTimeout
 
 
 class Deadlock(RuntimeError):
@@ -128,7 +129,10 @@ class LocalWorld:
             self._wakeup[recv.rank].notify_all()
         return request
 
-    def wait(self, rank: int, requests: list[_Request]) -> None:
+    def wait(self, rank: int, requests: list[_Request], timeout: float | None = None) -> None:
+        """Block until every request is done; ``timeout`` seconds at most (WaitTimeout names
+        the world ranks still awaited)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             for request in requests:
                 while not request._done:
@@ -136,7 +140,12 @@ class LocalWorld:
                     self._waiting[rank] = request
                     if self._nobody_can_progress():
                         self._report_deadlock()
-                    self._wakeup[rank].wait(timeout=1.0)
+                    left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                    if left <= 0:
+                        del self._waiting[rank]
+                        raise WaitTimeout(sorted({r.peer for r in requests if not r._done}),
+                                          timeout)
+                    self._wakeup[rank].wait(timeout=left)
                     del self._waiting[rank]
             self._raise_if_failed(rank)
 
@@ -172,6 +181,7 @@ class LocalTransport:
         self.world, self.channel = world, channel
         self.members = list(range(world.nranks)) if members is None else members
         self.world_rank = rank
+        self.timeout: float | None = None  # seconds each wait may take (None: no deadline)
         self.rank = self.members.index(rank)
         self.size = len(self.members)
 
@@ -184,7 +194,10 @@ class LocalTransport:
         return self.world.post(request, self.channel)
 
     def waitall(self, requests: list[_Request]) -> None:
-        self.world.wait(self.world_rank, requests)
+        try:
+            self.world.wait(self.world_rank, requests, self.timeout)
+        except WaitTimeout as late:  # world ranks -> this group's ranks
+            raise WaitTimeout([self.members.index(p) for p in late.peers], late.seconds) from None
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         requests = [self.irecv(recv, src, tag), self.isend(send, dst, tag)]

@@ -8,9 +8,12 @@ imported here only, so that a program that never runs under MPI never loads it.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
+
+from pycoll.bindings.transport import WaitTimeout
 
 # Launchers set these in every rank's environment; a plain `python` sets none of them.
 _LAUNCHER_VARIABLES = (
@@ -42,20 +45,49 @@ class MPITransport:
         self.size = comm.Get_size()
         self._MPI = mpi()
         self._byte = self._MPI.BYTE
+        self.timeout: float | None = None  # seconds each wait may take (None: no deadline)
+        self._peer_of: dict[int, int] = {}  # id(request) -> peer, while a deadline applies
 
     def isend(self, buf: np.ndarray, peer: int, tag: int):
-        return self.comm.Isend([buf, buf.nbytes, self._byte], peer, tag)
+        request = self.comm.Isend([buf, buf.nbytes, self._byte], peer, tag)
+        if self.timeout is not None:
+            self._peer_of[id(request)] = peer
+        return request
 
     def irecv(self, buf: np.ndarray, peer: int, tag: int):
-        return self.comm.Irecv([buf, buf.nbytes, self._byte], peer, tag)
+        request = self.comm.Irecv([buf, buf.nbytes, self._byte], peer, tag)
+        if self.timeout is not None:
+            self._peer_of[id(request)] = peer
+        return request
 
     def waitall(self, requests: list) -> None:
-        if len(requests) == 1:
+        if self.timeout is not None:
+            self._wait_until(requests, time.monotonic() + self.timeout)
+        elif len(requests) == 1:
             requests[0].Wait()
         elif requests:
             self._MPI.Request.Waitall(requests)
 
+    def _wait_until(self, requests: list, deadline: float) -> None:
+        """Test until done; past ``deadline``, cancel nothing (MPI cannot take a send back)
+        and raise WaitTimeout naming the peers of the requests still open."""
+        polls = 0
+        while not self._MPI.Request.Testall(requests):
+            polls += 1
+            if polls > 100:
+                if time.monotonic() > deadline:
+                    peers = sorted({self._peer_of.get(id(r), -1) for r in requests
+                                    if not r.Test()})
+                    self._peer_of.clear()
+                    raise WaitTimeout(peers, self.timeout)
+                time.sleep(20e-6)
+        for r in requests:
+            self._peer_of.pop(id(r), None)
+
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
+        if self.timeout is not None:
+            self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
+            return
         # One call instead of two posts and a wait: the small-message path.
         byte = self._byte
         self.comm.Sendrecv((send, send.nbytes, byte), dst, tag, (recv, recv.nbytes, byte), src,

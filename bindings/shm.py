@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from pycoll.bindings.transport import WaitTimeout
+
 LINE = 64  # bytes of a cache line; every header and payload starts on one
 _WORDS = LINE // 8
 WRAP, INLINE, IN_WINDOW, IN_PROCESS = 1, 2, 3, 4  # record kinds
@@ -212,6 +214,8 @@ class SharedMemoryTransport:
         self._spins = SPINS if count <= cores else 0
         self._piece = max(MIN_PIECE, ring_bytes // 4 // LINE * LINE)
         self.small_bytes = small_bytes
+        self.timeout: float | None = None  # seconds each wait may take (None: no deadline)
+        self._deadline = float("inf")
         layout = _Layout(count, ring_bytes, small_bytes)
         self._layout = layout
         seg = segments.segments
@@ -303,6 +307,7 @@ class SharedMemoryTransport:
                     r.after, before = before, r
         pending = [r for r in requests if not r.done_]
         idle = 0
+        self._deadline = float("inf") if self.timeout is None else time.monotonic() + self.timeout
         while pending:
             progressed = False
             for r in pending:
@@ -321,8 +326,11 @@ class SharedMemoryTransport:
         """One more poll that found nothing; ``peers``: the local ranks (indices) awaited."""
         idle += 1
         if idle > self._spins:
-            if idle & 1023 == 0 and self._check is not None:
-                self._check([self.local[i] for i in peers])
+            if idle & 1023 == 0:
+                if self._check is not None:
+                    self._check([self.local[i] for i in peers])
+                if time.monotonic() > self._deadline:
+                    raise WaitTimeout(sorted(self.local[i] for i in peers), self.timeout)
             os.sched_yield() if idle < 20000 else time.sleep(50e-6)
         return idle
 
@@ -505,6 +513,7 @@ class SharedMemoryTransport:
             self._small_views[key] = entry
         views, signature = entry
         slots = views[seq & 1]
+        self._deadline = float("inf") if self.timeout is None else time.monotonic() + self.timeout
         slots[self._me][...] = x
         flag = self._layout.small_flag
         agreed = flag + 1 + (seq & 1)  # per slot: a peer one call ahead writes the other

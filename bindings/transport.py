@@ -41,3 +41,17 @@ class Transport(Protocol):
 
 class PeerFailed(RuntimeError):
     """Another rank failed, so this rank's collective cannot complete."""
+
+
+class WaitTimeout(TimeoutError):
+    """A wait passed its deadline; ``peers``: the ranks (of the transport's group) it was
+    still waiting for."""
+
+    def __init__(self, peers: list[int], seconds: float):
+        super().__init__(f"waited {seconds:g} s for rank(s) {peers}")
+        self.peers, self.seconds = peers, seconds
+
+
+class CollectiveTimeout(TimeoutError):
+    """A collective waited past the communicator's timeout; the message names the collective,
+    the algorithm, the step and the peers still awaited. The communicator is broken after it."""

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from pycoll import agree, algorithms, select
+from pycoll.bindings.transport import CollectiveTimeout, WaitTimeout
 from pycoll.comm import Communicator, world
 from pycoll.execute import compile_program, run
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
@@ -74,7 +75,12 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
                    or not np.may_share_memory(out, x))):
         out = _out(out, x, x.shape, "allreduce", may_alias=True)  # raises, or in place
     flat = out if out.ndim == 1 else out.reshape(-1)
-    shared.allreduce_small(x if x.ndim == 1 else x.reshape(-1), flat, reducer)
+    try:
+        shared.allreduce_small(x if x.ndim == 1 else x.reshape(-1), flat, reducer)
+    except WaitTimeout as late:
+        raise _broken(comm, CollectiveTimeout(
+            f"allreduce (one-shot): rank {comm.rank} waited {late.seconds:g} s for rank(s) "
+            f"{', '.join(map(str, late.peers))}")) from None
     if parsed is ReduceOp.AVG:
         HOST.finish(flat, parsed, comm.size)
     return out
@@ -343,6 +349,8 @@ def _comm(comm: Communicator | None) -> Communicator:
         raise TypeError(f"comm={comm!r} is not a pycoll.Communicator; allowed: one, or None")
     if comm.freed:
         raise RuntimeError(f"{comm!r} was freed (Communicator.free); allowed: a live one")
+    if comm.broken is not None:
+        raise RuntimeError(f"{comm!r} is broken ({comm.broken}); make a new communicator")
     return comm
 
 
@@ -493,7 +501,12 @@ def _run(
     repeated small call does one dictionary lookup before moving data.
     """
     if comm.check and not comm.agreeing and collective is not Collective.SENDRECV:
-        _agree(comm, collective, x, op, algorithm, blocks, root)
+        try:
+            _agree(comm, collective, x, op, algorithm, blocks, root)
+        except WaitTimeout as late:
+            raise _broken(comm, CollectiveTimeout(
+                f"{collective.value} (agreement check): rank {comm.rank} waited "
+                f"{late.seconds:g} s for rank(s) {', '.join(map(str, late.peers))}")) from None
     space = space_of(x)
     # PYCOLL_ALGO is read when a call shape is first prepared (see select.py)
     key = (collective, algorithm, x.dtype, x.size, op, root, peer, input_blocks, blocks,
@@ -518,7 +531,17 @@ def _run(
     scratch = None
     if program.scratch_elements and not getattr(transport, "delivers", False):
         scratch = comm.buffer("scratch", program.scratch_elements, target.dtype, space)
-    run(program, source, target, transport, tag, reduce, space, scratch)
+    try:
+        run(program, source, target, transport, tag, reduce, space, scratch,
+            f"{collective.value} ({schedule.algorithm})")
+    except CollectiveTimeout as error:
+        raise _broken(comm, error) from None
+
+
+def _broken(comm: Communicator, error: Exception) -> Exception:
+    """Mark ``comm`` broken by ``error`` (later calls fail at once); returns ``error``."""
+    comm.broken = str(error)
+    return error
 
 
 def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,

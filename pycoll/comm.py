@@ -58,6 +58,9 @@ class Communicator:
         self._sequence = 0
         self._splits = 0
         self.freed = False
+        self.broken: str | None = None  # why later calls must fail at once (a timeout)
+        self._timeout = _timeout_from_env()
+        self._apply_timeout()
         # PYCOLL_CHECK: each collective first agrees on its arguments (pycoll/agree.py)
         self.check = agree.enabled_by_default()
         self.agreeing = False  # inside the agreement's own exchange
@@ -71,6 +74,29 @@ class Communicator:
         self._node_comm: Any = None
         self._one_shot: Any = _UNSET
 
+    @property
+    def timeout(self) -> float | None:
+        """Seconds any wait of a collective may take before it raises CollectiveTimeout
+        (naming the collective, algorithm, step and peers) and breaks this communicator;
+        None: no deadline. Default from ``PYCOLL_TIMEOUT``. Set it alike on every rank."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self._timeout = _valid_timeout(seconds, "timeout")
+        self._apply_timeout()
+
+    def _apply_timeout(self) -> None:
+        """Give every host endpoint (and those behind routes) this communicator's deadline."""
+        seen = [self.transport, self.p2p, getattr(self, "_host", None),
+                getattr(self, "_shared", None)]
+        for endpoint in list(seen):
+            seen += list(getattr(endpoint, "routes", ()))
+            seen.append(getattr(endpoint, "host", None))
+        for endpoint in seen:
+            if endpoint is not None and hasattr(endpoint, "timeout"):
+                endpoint.timeout = self._timeout
+
     def host_transport(self) -> Any:
         """The endpoint that moves host (numpy) arrays for collectives, made on first use.
 
@@ -81,6 +107,7 @@ class Communicator:
         """
         if self._host is None:
             self._host = self._make_host_transport()
+            self._apply_timeout()
         return self._host
 
     def host_kind(self) -> str:
@@ -319,6 +346,27 @@ class Communicator:
     def __repr__(self) -> str:
         kind = "MPI" if self.mpi_comm is not None else "in-process"
         return f"Communicator(rank={self.rank}, size={self.size}, {kind})"
+
+
+def _valid_timeout(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name}={value!r} is invalid; allowed: seconds > 0, or None")
+    return float(value)
+
+
+def _timeout_from_env() -> float | None:
+    text = os.environ.get("PYCOLL_TIMEOUT", "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"PYCOLL_TIMEOUT={text!r} is invalid; allowed: seconds > 0")
+    return seconds
 
 
 class _Freed:

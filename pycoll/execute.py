@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pycoll.bindings.transport import Transport
+from pycoll.bindings.transport import CollectiveTimeout, Transport, WaitTimeout
 from pycoll.schedule import Buffer, Layout, Recv, Schedule, Send, seeded_chunks
 from pycoll.spaces import HOST
 
@@ -149,6 +149,7 @@ def run(
     reduce: Reducer,
     space: Any = HOST,
     scratch: Any = None,
+    what: str = "collective",
 ) -> None:
     """Seed WORK from INPUT (flat views), then run the program's steps in order.
 
@@ -165,12 +166,24 @@ def run(
             space.copy(target, incoming)
     if not program.steps:
         return
-    if getattr(transport, "delivers", False):
-        _run_delivered(program, source, work, transport, tag, reduce)
-        return
+    at = [0]  # the step being run, for a timeout's message
+    try:
+        if getattr(transport, "delivers", False):
+            _run_delivered(program, source, work, transport, tag, reduce, at)
+        else:
+            _run_steps(program, source, work, transport, tag, reduce, space, scratch, at)
+    except WaitTimeout as late:
+        raise CollectiveTimeout(
+            f"{what}: rank {transport.rank} waited {late.seconds:g} s at step {at[0] + 1} of "
+            f"{len(program.steps)} for rank(s) {', '.join(map(str, late.peers))}"
+        ) from None
+
+
+def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at) -> None:
     if scratch is None and program.scratch_elements:
         scratch = space.empty(program.scratch_elements, work.dtype)
-    for receives, transmits in program.steps:
+    for index, (receives, transmits) in enumerate(program.steps):
+        at[0] = index
         if len(receives) == 1 and len(transmits) == 1:  # a ring step, or a pair exchange
             r, t = receives[0], transmits[0]
             into = work[r.start : r.stop] if r.scratch < 0 else scratch[: r.stop - r.start]
@@ -196,8 +209,10 @@ def run(
             _reduce(reduce, work, source, r, incoming)
 
 
-def _run_delivered(program: Program, source, work, transport, tag: int, reduce: Reducer) -> None:
-    for receives, transmits in program.steps:
+def _run_delivered(program: Program, source, work, transport, tag: int, reduce: Reducer,
+                   at: list[int]) -> None:
+    for index, (receives, transmits) in enumerate(program.steps):
+        at[0] = index
         requests = []
         for r in receives:
             combine = None if r.scratch < 0 else functools.partial(_reduce, reduce, work, source, r)

@@ -68,6 +68,15 @@ def test_a_disagreement_is_named_on_every_process():
     assert "agreement on 3 ranks: 3 of 3 named the mismatch" in output
 
 
+@pytest.mark.parametrize("transport", ["auto", "mpi"])
+@pytest.mark.parametrize("count", [3, 30000])
+def test_a_timeout_names_the_missing_rank_on_every_process(transport, count):
+    done = launch(3, str(HERE / "timeout.py"), str(count), timeout=60, PYCOLL_TIMEOUT="1",
+                  PYCOLL_HOST_TRANSPORT=transport)
+    output = done.stdout + done.stderr
+    assert "timeouts on 3 ranks: 3 of 3 named a peer" in output, output
+
+
 def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 

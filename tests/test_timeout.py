@@ -1,0 +1,73 @@
+"""Deadlines: a collective that waits longer than the communicator's timeout raises
+CollectiveTimeout naming the collective, algorithm, step and the peer it waits for, on every
+transport; the communicator is then broken and later calls fail at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pycoll
+
+TRANSPORTS = ["auto", "shm"]  # in-process: the rendezvous transport, shared memory
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("size", [3, 30_000])  # the one-shot AllReduce, and a schedule
+def test_a_rank_that_never_comes_is_named(monkeypatch, transport, size):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", transport)
+    gate = threading.Barrier(3)
+
+    def body(rank):
+        comm = pycoll.world()
+        comm.timeout = 0.3
+        pycoll.allreduce(np.ones(3))  # every rank came to this one
+        if rank == 1:
+            gate.wait()  # never comes to the next, and does not return either
+            return None
+        started = time.monotonic()
+        try:
+            pycoll.allreduce(np.ones(size), algorithm="auto" if size < 10 else "ring")
+        except pycoll.CollectiveTimeout as error:
+            message, waited = str(error), time.monotonic() - started
+        gate.wait()
+        with pytest.raises(RuntimeError, match="is broken .*waited 0.3 s"):
+            pycoll.broadcast(np.ones(2))
+        return message, waited
+
+    results = pycoll.run_local(3, lambda: body(pycoll.world().rank))
+    for rank in (0, 2):
+        message, waited = results[rank]
+        assert message.startswith("allreduce (")
+        assert f"rank {rank} waited 0.3 s" in message and "for rank(s) " in message
+        assert waited < 5
+    # rank 2 receives from rank 1 in the ring; in the one-shot everyone waits for rank 1
+    assert results[2][0].endswith("for rank(s) 1")
+    if size > 10:
+        assert "(ring)" in results[2][0] and "at step 1 of 4" in results[2][0]
+
+
+def test_without_a_timeout_nothing_changes(monkeypatch):
+    monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
+    assert pycoll.run_local(2, lambda: pycoll.world().timeout) == [None, None]
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "2.5")
+    assert pycoll.run_local(2, lambda: pycoll.world().timeout) == [2.5, 2.5]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_a_bad_setting_is_named(monkeypatch, value):
+    monkeypatch.setenv("PYCOLL_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f"PYCOLL_TIMEOUT='{value}' is invalid"):
+        pycoll.run_local(1, lambda: pycoll.allreduce(np.ones(2)))
+
+
+def test_a_bad_value_is_named():
+    def body():
+        with pytest.raises(ValueError, match="timeout=0 is invalid; allowed: seconds > 0"):
+            pycoll.world().timeout = 0
+        return True
+
+    assert pycoll.run_local(1, body) == [True]
