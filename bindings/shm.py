@@ -8,7 +8,8 @@ plain arrays). A segment holds:
   ``head[d]``, the bytes this rank has written into its stream to local rank d, and
   ``tail[s]``, the bytes it has consumed of local rank s's stream to it; each word has one
   writer (single-producer, single-consumer), so plain stores suffice, ordered by fences;
-* one ring per local peer: the byte stream of its messages to that peer. A message is a run
+* one ring per local rank (its own stays unused, and untouched): the byte stream of its
+  messages to that peer. A message is a run
   of records, each a 64-byte header (kind, tag, bytes, the message's total, where) and, for an
   inline record, its payload padded to 64 bytes. A message longer than a quarter of the ring
   travels in pieces, so the receiver reduces piece k while the sender copies piece k+1;
@@ -52,6 +53,7 @@ MIN_PIECE = 4096  # less contiguous room than this before the ring's end: wrap i
 SPINS = 200  # polls before a waiting rank starts yielding its core
 RING_BYTES = 8 << 20  # per peer: the stream to that peer
 SMALL_BYTES = 2 << 20  # one-shot AllReduce slot; larger calls take the schedules
+_FROM_PROCESS = -2  # a send's ``window`` when the receiver reads the sender's own memory
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -155,8 +157,8 @@ class _Send:
         self.peer, self.bytes, self.tag = peer, data, tag
         self.total = data.nbytes
         self.sent = 0
-        self.window = -1  # >= 0: the data lies in this window, at ``offset``; -2: read it
-        # from this process's memory at ``offset`` (an address)
+        self.window = -1  # >= 0: the data lies in this window, at ``offset``; _FROM_PROCESS:
+        # the receiver reads it from this process's memory at ``offset`` (an address)
         self.offset = 0
         self.until = -1  # zero-copy: done once the receiver's tail reaches this
         self.prev: _Send | None = None  # the send before it to the same peer
@@ -188,8 +190,8 @@ class SharedMemoryTransport:
 
     ``segments``: the node's shared segments (``MpiSegments`` or ``ThreadSegments``), made
     with at least :func:`segment_bytes` bytes each; ``local``: the ranks (of this transport's
-    group) on this node, in segment order; ``check``: called while waiting, raises if the
-    group failed.
+    group) on this node, in segment order; ``check(ranks)``: called while waiting for
+    ``ranks``, raises if the group failed or those ranks can no longer send (in-process).
     """
 
     delivers = True  # irecv takes ``combine``: reductions read the ring or window in place
@@ -197,7 +199,7 @@ class SharedMemoryTransport:
     def __init__(
         self, segments: Any, rank: int, size: int, local: list[int],
         ring_bytes: int = RING_BYTES, small_bytes: int = SMALL_BYTES,
-        check: Callable[[], None] | None = None,
+        check: Callable[[list[int]], None] | None = None,
     ):
         self.rank, self.size, self.local = rank, size, list(local)
         self.peers = self.local  # the ranks this endpoint reaches
@@ -280,7 +282,7 @@ class SharedMemoryTransport:
         if self._window_spans:
             self._locate(request)
         if request.window == -1 and request.total >= CMA_MIN_BYTES and self._read_by[i]:
-            request.window, request.offset = -2, data.ctypes.data
+            request.window, request.offset = _FROM_PROCESS, data.ctypes.data
         last = self._last_send[i]  # a stream carries one message at a time, in order
         if last is not None and last.sent < last.total:
             request.prev = last
