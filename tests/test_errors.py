@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,3 +214,12 @@ def test_mismatched_sizes_between_ranks_are_reported():
 def test_run_local_rejects_bad_rank_counts(nranks):
     with pytest.raises(ValueError, match="is not a rank count"):
         pycoll.run_local(nranks, lambda: None)
+
+
+def test_the_reliability_doc_tables_every_bad_call():
+    """docs/reliability.md's table of bad input names exactly the cases tested above."""
+    doc = (Path(__file__).parent.parent / "docs" / "reliability.md").read_text()
+    table = doc.split("## Bad input", 1)[1].split("Settings and communicators", 1)[0]
+    rows = [line.split("|")[1].strip() for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| bad input")]
+    assert rows == [name for name, *_ in BAD_CALLS]
