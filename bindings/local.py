@@ -51,7 +51,10 @@ class LocalWorld:
         # (channel, src, dst, tag) -> requests posted first, waiting for their match
         self._unmatched_sends: dict[tuple, deque[_Request]] = defaultdict(deque)
         self._unmatched_recvs: dict[tuple, deque[_Request]] = defaultdict(deque)
-        self._waiting: dict[int, _Request] = {}  # rank -> the request it is blocked on
+        # (rank, thread) -> the request it is blocked on (a rank's async collectives wait on
+        # threads of their own)
+        self._waiting: dict[tuple[int, int], _Request] = {}
+        self.async_running = 0  # async collectives in flight: a rank may have other threads
         self._finished: set[int] = set()
         self.failure: BaseException | None = None
         self.failed_rank: int | None = None
@@ -133,37 +136,40 @@ class LocalWorld:
         """Block until every request is done; ``timeout`` seconds at most (WaitTimeout names
         the world ranks still awaited)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        me = (rank, threading.get_ident())
         with self._lock:
             for request in requests:
                 while not request._done:
                     self._raise_if_failed(rank)
-                    self._waiting[rank] = request
+                    self._waiting[me] = request
                     if self._nobody_can_progress():
                         self._report_deadlock()
                     left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
                     if left <= 0:
-                        del self._waiting[rank]
+                        del self._waiting[me]
                         raise WaitTimeout(sorted({r.peer for r in requests if not r._done}),
                                           timeout)
                     self._wakeup[rank].wait(timeout=left)
-                    del self._waiting[rank]
+                    del self._waiting[me]
             self._raise_if_failed(rank)
 
     def _nobody_can_progress(self) -> bool:
         live = self.nranks - len(self._finished)
+        if self.async_running:  # another thread of a waiting rank may still post: no verdict
+            return False
         return len(self._waiting) == live and not any(r._done for r in self._waiting.values())
 
     def _report_deadlock(self) -> None:
         waits = "; ".join(
             f"rank {rank} waits to {request.describe()}"
-            for rank, request in sorted(self._waiting.items())
+            for (rank, _), request in sorted(self._waiting.items())
         )
         done = sorted(self._finished)
         error = Deadlock(
             f"deadlock: {waits}" + (f"; ranks {done} already returned" if done else "")
         )
         if self.failure is None:
-            self.failure, self.failed_rank = error, min(self._waiting)
+            self.failure, self.failed_rank = error, min(self._waiting)[0]
         self._wake_everyone()
         raise error
 

@@ -34,8 +34,12 @@ def allreduce(
     comm: Communicator | None = None,
     algorithm: str = "auto",
     stream: Any = None,
+    async_op: bool = False,
 ) -> Array:
     """Combine ``x`` over all ranks with ``op``; every rank gets the whole result."""
+    if async_op:
+        return _submit(allreduce, "allreduce", x, op, out=out, comm=comm, algorithm=algorithm,
+                       stream=stream)
     comm = _comm(comm)
     if algorithm == "auto" and stream is None and type(x) is np.ndarray:
         done = _one_shot_allreduce(x, op, out, comm)
@@ -95,8 +99,12 @@ def reduce_scatter(
     comm: Communicator | None = None,
     algorithm: str = "auto",
     stream: Any = None,
+    async_op: bool = False,
 ) -> Array:
     """Combine ``x`` over all ranks; rank r gets rows ``sum(counts[:r])`` up to the next."""
+    if async_op:
+        return _submit(reduce_scatter, "reduce_scatter", x, op, counts=counts, out=out, comm=comm,
+                       algorithm=algorithm, stream=stream)
     comm, space = _comm(comm), _space(x, "reduce_scatter")
     op = _op(op, x, "reduce_scatter")
     rows = _rows(x, "reduce_scatter")
@@ -122,12 +130,16 @@ def allgather(
     comm: Communicator | None = None,
     algorithm: str = "auto",
     stream: Any = None,
+    async_op: bool = False,
 ) -> Array:
     """Every rank's ``x`` concatenated in rank order along the first axis, on every rank.
 
     Without ``counts`` every rank's ``x`` has the same shape; with them, rank r's has
     ``counts[r]`` rows.
     """
+    if async_op:
+        return _submit(allgather, "allgather", x, counts=counts, out=out, comm=comm,
+                       algorithm=algorithm, stream=stream)
     comm = _comm(comm)
     space = _space(x, "allgather")
     rows = _rows(x, "allgather")
@@ -155,8 +167,12 @@ def broadcast(
     comm: Communicator | None = None,
     algorithm: str = "auto",
     stream: Any = None,
+    async_op: bool = False,
 ) -> Array:
     """Copy root's ``x`` into every rank's ``x`` (in place); returns ``x``."""
+    if async_op:
+        return _submit(broadcast, "broadcast", x, root, comm=comm, algorithm=algorithm,
+                       stream=stream)
     comm = _comm(comm)
     space = _space(x, "broadcast")
     _writable(x, "x", "broadcast")
@@ -175,8 +191,12 @@ def reduce(
     comm: Communicator | None = None,
     algorithm: str = "auto",
     stream: Any = None,
+    async_op: bool = False,
 ) -> Array | None:
     """Combine ``x`` over all ranks at ``root``; returns the result there, None elsewhere."""
+    if async_op:
+        return _submit(reduce, "reduce", x, op, root, out=out, comm=comm, algorithm=algorithm,
+                       stream=stream)
     comm, space = _comm(comm), _space(x, "reduce")
     op = _op(op, x, "reduce")
     root = _root(root, comm, "reduce")
@@ -199,8 +219,11 @@ def alltoall(
     out: Array | None = None,
     comm: Communicator | None = None,
     stream: Any = None,
+    async_op: bool = False,
 ) -> Array:
     """Rank r sends its j-th equal piece of ``x`` to rank j; pieces arrive in source order."""
+    if async_op:
+        return _submit(alltoall, "alltoall", x, out=out, comm=comm, stream=stream)
     comm = _comm(comm)
     space = _space(x, "alltoall")
     rows = _rows(x, "alltoall")
@@ -217,12 +240,16 @@ def alltoallv(
     *,
     comm: Communicator | None = None,
     stream: Any = None,
+    async_op: bool = False,
 ) -> Array:
     """Rank r sends ``send_counts[j]`` rows of ``x`` to rank j, in order of j.
 
     Returns what arrived, in source-rank order. The counts are exchanged first; given
     ``recv_counts`` are checked against what the peers send, on every rank.
     """
+    if async_op:
+        return _submit(alltoallv, "alltoallv", x, send_counts, recv_counts, comm=comm,
+                       stream=stream)
     comm = _comm(comm)
     space = _space(x, "alltoallv")
     rows = _rows(x, "alltoallv")
@@ -256,10 +283,13 @@ def _alltoallv(x, send_counts, recv_counts, out, comm) -> np.ndarray:
 
 
 def send(
-    x: Array, dst: int, tag: int = 0, *, comm: Communicator | None = None, stream: Any = None
+    x: Array, dst: int, tag: int = 0, *, comm: Communicator | None = None, stream: Any = None,
+    async_op: bool = False,
 ) -> None:
     """Send ``x`` to rank ``dst``; returns when ``dst`` has received it (device arrays: when
     the copy is enqueued on ``dst``'s stream)."""
+    if async_op:
+        return _submit(send, "send", x, dst, tag, comm=comm, stream=stream)
     comm = _comm(comm)
     space = _space(x, "send")
     dst = _peer(dst, comm, "send", "dst")
@@ -268,9 +298,12 @@ def send(
 
 
 def recv(
-    out: Array, src: int, tag: int = 0, *, comm: Communicator | None = None, stream: Any = None
+    out: Array, src: int, tag: int = 0, *, comm: Communicator | None = None, stream: Any = None,
+    async_op: bool = False,
 ) -> Array:
     """Receive into ``out`` what rank ``src`` sends with ``tag``; returns ``out``."""
+    if async_op:
+        return _submit(recv, "recv", out, src, tag, comm=comm, stream=stream)
     comm = _comm(comm)
     space = _space(out, "recv", "out")
     _writable(out, "out", "recv")
@@ -313,8 +346,10 @@ def plan(
                            _root(root, comm, "plan"))
 
 
-def barrier(comm: Communicator | None = None) -> None:
+def barrier(comm: Communicator | None = None, *, async_op: bool = False) -> Any:
     """Return only once every rank of ``comm`` has entered the barrier."""
+    if async_op:
+        return _submit(barrier, "barrier", comm=comm)
     comm = _comm(comm)
     shared = comm.one_shot()
     x = np.zeros(1, np.int8)
@@ -342,7 +377,14 @@ def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,
 # --- helpers -------------------------------------------------------------------------------
 
 
-def _comm(comm: Communicator | None) -> Communicator:
+def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs: Any) -> Any:
+    """``fn`` run on ``comm``'s async worker (pycoll/work.py): returns a Work whose ``wait()``
+    gives ``fn``'s result, or raises its error (bad input included)."""
+    comm = _comm(comm, drain=False)
+    return comm.submit(fn, what, *args, comm=comm, **kwargs)
+
+
+def _comm(comm: Communicator | None, drain: bool = True) -> Communicator:
     if comm is None:
         comm = world()
     elif not isinstance(comm, Communicator):
@@ -351,6 +393,8 @@ def _comm(comm: Communicator | None) -> Communicator:
         raise RuntimeError(f"{comm!r} was freed (Communicator.free); allowed: a live one")
     if comm.broken is not None:
         raise RuntimeError(f"{comm!r} is broken ({comm.broken}); make a new communicator")
+    if drain and comm.queue is not None and comm.queue.busy:
+        comm.queue.drain()  # a blocking call runs after the async ones queued before it
     return comm
 
 

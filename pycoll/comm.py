@@ -58,6 +58,7 @@ class Communicator:
         self._sequence = 0
         self._splits = 0
         self.freed = False
+        self.queue: Any = None  # async collectives' worker (pycoll/work.py), made on first use
         self.broken: str | None = None  # why later calls must fail at once (a timeout)
         self._timeout = _timeout_from_env()
         self._apply_timeout()
@@ -73,6 +74,22 @@ class Communicator:
         self._shared: Any = None  # its shared-memory part, when ranks share a node
         self._node_comm: Any = None
         self._one_shot: Any = _UNSET
+
+    def submit(self, fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` (a collective on this communicator) on its worker;
+        returns a :class:`pycoll.work.Work`."""
+        from pycoll.work import AsyncQueue
+
+        if self.queue is None and self.mpi_comm is not None:
+            MPI = mpi()
+            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                raise RuntimeError(
+                    "async_op=True needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's "
+                    f"default); this process has thread level {MPI.Query_thread()}"
+                )
+        if self.queue is None:
+            self.queue = AsyncQueue(getattr(self.transport, "world", None))
+        return self.queue.submit(fn, what, *args, **kwargs)
 
     @property
     def timeout(self) -> float | None:

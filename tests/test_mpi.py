@@ -77,6 +77,14 @@ def test_a_timeout_names_the_missing_rank_on_every_process(transport, count):
     assert "timeouts on 3 ranks: 3 of 3 named a peer" in output, output
 
 
+@pytest.mark.parametrize("transport", ["auto", "mpi"])
+def test_async_collectives_overlap_between_processes(transport):
+    done = launch(3, str(HERE / "asynchronous.py"), PYCOLL_HOST_TRANSPORT=transport)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "async on 3 ranks: 9 of 9 right" in output
+
+
 def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 

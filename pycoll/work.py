@@ -1,0 +1,77 @@
+"""Collectives in flight: ``async_op=True`` returns a :class:`Work` instead of the result.
+
+Each communicator runs its async collectives one after another, in the order they were
+called, on a worker thread of its own, so async collectives on different communicators overlap
+each other and the caller's own work. A blocking call on a communicator first lets its queued
+async collectives finish, so every rank still sees one order per communicator.
+
+The contract is the seed's completion rule: until ``wait()`` returns, the output may not be
+read and the input may not be changed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+
+class Work:
+    """A collective in flight (as ``torch.distributed``'s ``Work``)."""
+
+    def __init__(self, future: Future, what: str):
+        self._future, self._what = future, what
+
+    def done(self) -> bool:
+        """Whether the collective has finished (successfully or not); never blocks."""
+        return self._future.done()
+
+    def wait(self) -> Any:
+        """Block until the collective has finished; return its result (what the blocking call
+        returns), or raise what it raised."""
+        return self._future.result()
+
+    def __repr__(self) -> str:
+        return f"Work({self._what}, {'done' if self.done() else 'in flight'})"
+
+
+class AsyncQueue:
+    """One communicator's worker: async collectives run here, in call order."""
+
+    def __init__(self, world: Any = None):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pycoll-async")
+        self._in_flight: list[Future] = []
+        self._world = world  # in-process: told while work runs (its deadlock verdicts pause)
+        self.worker: int | None = None  # the worker thread's ident
+
+    def submit(self, fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Work:
+        def job() -> Any:
+            self.worker = threading.get_ident()
+            return fn(*args, **kwargs)
+
+        if self._world is not None:
+            with self._world._lock:
+                self._world.async_running += 1
+        future = self._executor.submit(job)
+        if self._world is not None:
+            future.add_done_callback(self._finished)
+        self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
+        return Work(future, what)
+
+    def _finished(self, _: Future) -> None:
+        with self._world._lock:
+            self._world.async_running -= 1
+
+    def drain(self) -> None:
+        """Wait (without raising) until every queued collective has finished; a no-op on the
+        worker itself."""
+        if threading.get_ident() == self.worker:
+            return
+        for future in self._in_flight:
+            future.exception()  # waits; the error belongs to that collective's wait()
+        self._in_flight = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._in_flight)

@@ -1,0 +1,90 @@
+"""async_op=True: every collective returns a Work; collectives on two communicators overlap
+and both results are right; one communicator keeps its order; errors come from wait()."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import exact_input
+
+import pycoll
+from pycoll import oracle
+
+TRANSPORTS = ["auto", "shm"]
+
+
+def run(nranks, fn):
+    return pycoll.run_local(nranks, lambda: fn(pycoll.world().rank))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_collectives_on_two_communicators_overlap(monkeypatch, transport, nranks):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", transport)
+    big = [exact_input(r, 200_000, np.dtype(np.int64), "sum") for r in range(nranks)]
+    small = [exact_input(r, 12, np.dtype(np.int32), "max", 1) for r in range(nranks)]
+
+    def body(rank):
+        world = pycoll.world()
+        other = world.split(0)  # a second communicator of the same ranks
+        first = pycoll.allreduce(big[rank], algorithm="ring", async_op=True)
+        second = pycoll.allreduce(small[rank], "max", comm=other, async_op=True)
+        gathered = pycoll.allgather(small[rank], comm=other, async_op=True)
+        mine = second.wait()  # the small one need not wait for the big one
+        results = first.wait(), mine, gathered.wait()
+        assert first.done() and second.done() and "done" in repr(first)
+        return results
+
+    for result in run(nranks, body):
+        np.testing.assert_array_equal(result[0], oracle.allreduce(big, "sum"))
+        np.testing.assert_array_equal(result[1], oracle.allreduce(small, "max"))
+        np.testing.assert_array_equal(result[2], oracle.allgather(small))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_collective_takes_async_op(monkeypatch, transport):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", transport)
+    inputs = [exact_input(r, 6, np.dtype(np.float32), "sum") for r in range(3)]
+
+    def body(rank):
+        x = inputs[rank]
+        works = [
+            pycoll.allreduce(x, async_op=True),
+            pycoll.reduce_scatter(x, async_op=True),
+            pycoll.allgather(x, async_op=True),
+            pycoll.broadcast(x.copy(), 1, async_op=True),
+            pycoll.reduce(x, "sum", 2, async_op=True),
+            pycoll.alltoall(x, async_op=True),
+            pycoll.alltoallv(x[: 2 * rank], [rank] * 2 + [0], async_op=True),
+            pycoll.barrier(async_op=True),
+        ]
+        if rank == 0:
+            works.append(pycoll.send(x, 1, tag=5, async_op=True))
+        if rank == 1:
+            works.append(pycoll.recv(np.empty(6, np.float32), 0, tag=5, async_op=True))
+        blocking = pycoll.allreduce(x)  # runs after the queued ones, in order
+        return [w.wait() for w in works], blocking
+
+    for rank, (results, blocking) in enumerate(run(3, body)):
+        np.testing.assert_array_equal(results[0], oracle.allreduce(inputs, "sum"))
+        np.testing.assert_array_equal(results[1], oracle.reduce_scatter(inputs, "sum",
+                                                                        [2, 2, 2])[rank])
+        np.testing.assert_array_equal(results[2], oracle.allgather(inputs))
+        np.testing.assert_array_equal(results[3], inputs[1])
+        assert (results[4] is None) == (rank != 2)
+        np.testing.assert_array_equal(results[5], oracle.alltoall(inputs)[rank])
+        assert results[7] is None
+        if rank == 1:
+            np.testing.assert_array_equal(results[8], inputs[0])
+        np.testing.assert_array_equal(blocking, oracle.allreduce(inputs, "sum"))
+
+
+def test_bad_input_is_raised_by_wait():
+    def body(rank):
+        work = pycoll.allreduce(np.ones(3), "mean", async_op=True)
+        with pytest.raises(ValueError, match="op='mean' is not a reduction"):
+            work.wait()
+        return pycoll.allreduce(np.ones(3))  # still in step: nothing was sent
+
+    for result in run(2, body):
+        np.testing.assert_array_equal(result, np.full(3, 2.0))
