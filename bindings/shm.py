@@ -252,6 +252,15 @@ class SharedMemoryTransport:
         attach), and tell them."""
         self._segments.barrier()
         count = len(self.local)
+        # Fault every page this rank will use in now, not one at a time inside collectives
+        # (and so that the resident set does not creep up as the rings first fill).
+        page = 4096
+        for i, ring in enumerate(self._out):
+            if i != self._me:
+                ring[::page] = 0
+        for parity in (0, 1):
+            start = self._layout.slot(parity)
+            self._segments.segments[self._me][start : start + self.small_bytes : page] = 0
         self._probe = np.array([0x5EED + self._me], np.int64)
         at = self._layout.identity
         self._my_control[at] = os.getpid()
@@ -267,6 +276,12 @@ class SharedMemoryTransport:
                     mask |= 1 << i
         self._my_control[at + 2] = mask
         self._segments.barrier()
+        for i, ring in enumerate(self._in):  # peers' pages this rank reads
+            if i != self._me:
+                int(ring[::page].sum())
+                for parity in (0, 1):
+                    start = self._layout.slot(parity)
+                    int(self._segments.segments[i][start : start + self.small_bytes : page].sum())
         for i, control in self._peer_controls:
             self._read_by[i] = bool(int(control[at + 2]) >> self._me & 1)
         self._pids = [int(c[at]) for c in self._control]

@@ -85,6 +85,18 @@ def test_async_collectives_overlap_between_processes(transport):
     assert "async on 3 ranks: 9 of 9 right" in output
 
 
+def test_a_short_soak_is_right_and_flat():
+    """bench/soak.py's short version: mixed collectives, each against the oracle; the resident
+    set flat after a warm-up (bench/results/soak.md has the 10 000-call run)."""
+    done = launch(3, str(HERE.parent.parent / "bench" / "soak.py"), "600", "--warmup", "600")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    line = next(line for line in output.splitlines() if line.startswith("soak:"))
+    assert "600 collectives on 3 ranks" in line and ", 0 wrong," in line
+    growth = float(line.split("growth ")[1].split("%")[0])
+    assert growth < 5, line
+
+
 def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 

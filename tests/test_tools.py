@@ -4,9 +4,11 @@ sweeps (their real runs are committed under bench/results/ and docs/scaling.md).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+import pycoll
 from pycoll import algorithms, model, scaling, tune
 from pycoll.cli import main
 from pycoll.schedule import Collective
@@ -111,3 +113,11 @@ def test_tune_and_compare_under_mpiexec(tmp_path):
     table = (tmp_path / "cmp.md").read_text()
     assert "allgather, 2 ranks (MPI)" in table and "mpiexec -n 2 pycoll compare" in table
     assert "tuned at 2 ranks" in table
+
+
+def test_the_soak_runs_in_process():
+    import runpy
+
+    soak = runpy.run_path(str(Path(__file__).parent.parent / "bench" / "soak.py"))["soak"]
+    results = pycoll.run_local(3, soak, 200, 7, 50)
+    assert all(calls == 200 and wrong == 0 for calls, wrong, _, _ in results)
