@@ -503,7 +503,7 @@ class SharedMemoryTransport:
         """Every rank's ``x`` (flat, at most ``small_bytes``) combined into ``out``, for a group
         that is all on this node: each rank publishes ``x`` (:meth:`_publish_small`), then
         reduces all slots in rank order (so every rank gets the same bits)."""
-        slots = self._publish_small(x, "allreduce")
+        slots = self.publish_small(x, "allreduce")
         if len(slots) == 1:
             out[...] = slots[0]
             return
@@ -514,13 +514,13 @@ class SharedMemoryTransport:
     def allgather_small(self, x: np.ndarray) -> np.ndarray:
         """Every rank's ``x`` (flat, at most ``small_bytes``, alike on every rank) as the rows
         of a new array, in rank order, in one round."""
-        return np.stack(self._publish_small(x, "allgather"))
+        return np.stack(self.publish_small(x, "allgather"))
 
-    def _publish_small(self, x: np.ndarray, collective: str) -> tuple:
+    def publish_small(self, x: np.ndarray, collective: str) -> tuple:
         """Copy ``x`` into this rank's slot, publish a sequence number, wait for every peer's;
-        returns every rank's slot, which may be read until this rank's next call. Two slots
-        alternate: a rank writes slot s at call k only after seeing every peer reach call k-1,
-        i.e. after they finished reading slot s at call k-2."""
+        returns every rank's slot (flat views), which may be read until this rank's next call.
+        Two slots alternate: a rank writes slot s at call k only after seeing every peer reach
+        call k-1, i.e. after they finished reading slot s at call k-2."""
         seq = self._small_seq + 1
         key = (x.dtype, x.size)
         entry = self._small_views.get(key)

@@ -90,6 +90,42 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
     return out
 
 
+SMALL_EXCHANGE_BYTES = 64 << 10  # per rank: ReduceScatter, AllGather, Broadcast and Reduce
+
+
+def _small_exchange(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,
+                    algorithm: str, stream: Any, blocks: tuple[int, ...] | None,
+                    root: int | None = None) -> tuple | None:
+    """For a small call on host arrays where every rank shares a node: every rank's ``x``
+    (flat views of the shared slots, valid until this communicator's next small exchange),
+    after the agreement check when it is on; None when the schedules serve the call."""
+    if algorithm != "auto" or stream is not None or type(x) is not np.ndarray:
+        return None
+    shared = comm.one_shot_for(collective)
+    if shared is None or x.nbytes > min(shared.small_bytes, SMALL_EXCHANGE_BYTES):
+        return None
+    if comm.check:
+        _agree(comm, collective, x, op, algorithm, blocks, root)
+    try:
+        return shared.publish_small(x.reshape(-1), collective.value)
+    except WaitTimeout as late:
+        raise _broken(comm, CollectiveTimeout(
+            f"{collective.value} (one-shot): rank {comm.rank} waited {late.seconds:g} s for "
+            f"rank(s) {', '.join(map(str, late.peers))}")) from None
+
+
+def _sum_in_rank_order(out: np.ndarray, parts: list, op: ReduceOp) -> None:
+    """``out`` = parts[0] op parts[1] op ... (left to right: the same bits on every rank)."""
+    reduce = HOST.reducer(op, out.dtype)
+    if len(parts) == 1:
+        out[...] = parts[0]
+    else:
+        reduce(out, parts[1], parts[0])
+        for part in parts[2:]:
+            reduce(out, part)
+    HOST.finish(out, op, len(parts))
+
+
 def reduce_scatter(
     x: Array,
     op: OpLike = "sum",
@@ -113,6 +149,12 @@ def reduce_scatter(
     with space.using(stream):
         out = _out(out, x, shape, "reduce_scatter")
         blocks = tuple(c * _row_size(x) for c in counts)
+        slots = _small_exchange(comm, Collective.REDUCE_SCATTER, x, op, algorithm, stream, blocks)
+        if slots is not None:  # every rank's x, in shared memory: sum my block in rank order
+            start = sum(blocks[: comm.rank])
+            _sum_in_rank_order(out.reshape(-1), [s[start : start + blocks[comm.rank]]
+                                                 for s in slots], op)
+            return out
         work = comm.buffer("reduce_scatter", x.size, x.dtype, space)
         _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
         start = sum(blocks[: comm.rank])
@@ -156,6 +198,13 @@ def allgather(
         out = _out(out, x, (sum(counts), *x.shape[1:]), "allgather")
         row = _row_size(x)
         blocks = tuple(c * row for c in counts)
+        slots = None
+        if len(set(counts)) == 1:  # the slots hold equal arrays
+            slots = _small_exchange(comm, Collective.ALLGATHER, x, None, algorithm, stream,
+                                    blocks)
+        if slots is not None:
+            np.concatenate(slots, out=out.reshape(-1))
+            return out
         _run(comm, Collective.ALLGATHER, x, out, None, algorithm, (x.size,), blocks, out.nbytes)
     return out
 
@@ -178,6 +227,12 @@ def broadcast(
     _writable(x, "x", "broadcast")
     root = _root(root, comm, "broadcast")
     with space.using(stream):
+        slots = _small_exchange(comm, Collective.BROADCAST, x, None, algorithm, stream, None,
+                                root)
+        if slots is not None:
+            if comm.rank != root:
+                x.reshape(-1)[...] = slots[root]
+            return x
         _run(comm, Collective.BROADCAST, x, x, None, algorithm, root=root)
     return x
 
@@ -201,6 +256,13 @@ def reduce(
     op = _op(op, x, "reduce")
     root = _root(root, comm, "reduce")
     with space.using(stream):
+        slots = _small_exchange(comm, Collective.REDUCE, x, op, algorithm, stream, None, root)
+        if slots is not None:
+            if comm.rank != root:
+                return None
+            out = _out(out, x, x.shape, "reduce", may_alias=True)
+            _sum_in_rank_order(out.reshape(-1), slots, op)
+            return out
         if comm.rank == root:
             out = _out(out, x, x.shape, "reduce", may_alias=True)
             work = out

@@ -74,6 +74,7 @@ class Communicator:
         self._shared: Any = None  # its shared-memory part, when ranks share a node
         self._node_comm: Any = None
         self._one_shot: Any = _UNSET
+        self._one_shot_by: dict[Any, tuple] = {}
 
     def submit(self, fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` (a collective on this communicator) on its worker;
@@ -157,6 +158,18 @@ class Communicator:
             forced = forced_algorithm(Collective.ALLREDUCE) is not None
             self._one_shot = shared if not forced else None
         return self._one_shot
+
+    def one_shot_for(self, collective: Any) -> Any:
+        """:meth:`one_shot`'s endpoint for another collective (ReduceScatter, AllGather,
+        Broadcast, Reduce), unless ``PYCOLL_ALGO`` forces that collective's family."""
+        found = self._one_shot_by.get(collective)
+        if found is None:
+            from pycoll.select import forced_algorithm
+
+            shared = self.node_transport()
+            found = self._one_shot_by[collective] = (
+                (shared,) if forced_algorithm(collective) is None else (None,))
+        return found[0]
 
     def _make_host_transport(self) -> Any:
         from pycoll.bindings import shm
@@ -285,6 +298,7 @@ class Communicator:
         self.transport = self.p2p = self._host = freed
         self._shared = self._node_comm = None
         self._one_shot = None
+        self._one_shot_by.clear()
         self.prepared.clear()
         self._buffers.clear()
         self.freed = True

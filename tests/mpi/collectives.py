@@ -66,11 +66,11 @@ def check_reducing(index: int, count: int) -> None:
     for algorithm in [*families_for(Collective.ALLREDUCE), "auto"]:
         label = f"allreduce {algorithm} {np.dtype(dtype)} {op} n={count}"
         case(label, pycoll.allreduce(x, op, algorithm=algorithm), oracle.allreduce(xs, op))
-    for algorithm in families_for(Collective.REDUCE_SCATTER):
+    for algorithm in [*families_for(Collective.REDUCE_SCATTER), "auto"]:
         label = f"reduce_scatter {algorithm} {np.dtype(dtype)} {op} n={count}"
         got = pycoll.reduce_scatter(x, op, counts=rows, algorithm=algorithm)
         case(label, got, oracle.reduce_scatter(xs, op, rows)[RANK])
-    for algorithm in families_for(Collective.REDUCE):
+    for algorithm in [*families_for(Collective.REDUCE), "auto"]:
         label = f"reduce {algorithm} {np.dtype(dtype)} {op} root={root} n={count}"
         want = oracle.reduce(xs, op, root) if RANK == root else None
         case(label, pycoll.reduce(x, op, root, algorithm=algorithm), want)
@@ -93,11 +93,11 @@ def check_moving(index: int, count: int) -> None:
     shards = inputs_for(max(rows), dtype, "sum", index)
     shards = [shards[r][: rows[r]].copy() for r in range(P)]
     root = (index * 3) % P
-    for algorithm in families_for(Collective.ALLGATHER):
+    for algorithm in [*families_for(Collective.ALLGATHER), "auto"]:
         got = pycoll.allgather(shards[RANK], counts=rows, algorithm=algorithm)
         case(f"allgather {algorithm} n={count}", got, oracle.allgather(shards))
     full = inputs_for(count, dtype, "sum", index + 1)
-    for algorithm in families_for(Collective.BROADCAST):
+    for algorithm in [*families_for(Collective.BROADCAST), "auto"]:
         got = pycoll.broadcast(full[RANK].copy(), root, algorithm=algorithm)
         case(f"broadcast {algorithm} root={root} n={count}", got, oracle.broadcast(full, root))
     gathered = np.empty(sum(rows), shards[RANK].dtype)
