@@ -106,14 +106,21 @@ class Communicator:
 
     def _apply_timeout(self) -> None:
         """Give every host endpoint (and those behind routes) this communicator's deadline."""
-        seen = [self.transport, self.p2p, getattr(self, "_host", None),
-                getattr(self, "_shared", None)]
-        for endpoint in list(seen):
-            seen += list(getattr(endpoint, "routes", ()))
-            seen.append(getattr(endpoint, "host", None))
-        for endpoint in seen:
-            if endpoint is not None and hasattr(endpoint, "timeout"):
+        pending = [self.transport, self.p2p, getattr(self, "_host", None),
+                   getattr(self, "_shared", None),
+                   *getattr(self, "_device_transports", {}).values()]
+        seen: set[int] = set()
+        while pending:
+            endpoint = pending.pop()
+            if endpoint is None or id(endpoint) in seen:
+                continue
+            seen.add(id(endpoint))
+            if hasattr(endpoint, "timeout"):
                 endpoint.timeout = self._timeout
+            # device endpoints wait through host ones: routes, MPI behind staging, the
+            # credits and notices of peer memory
+            pending += [getattr(endpoint, inner, None) for inner in ("host", "credits", "notices")]
+            pending += list(getattr(endpoint, "routes", ()))
 
     def host_transport(self) -> Any:
         """The endpoint that moves host (numpy) arrays for collectives, made on first use.
@@ -274,6 +281,7 @@ class Communicator:
             else:
                 transport = _mpi_device_transport(self.mpi_comm, space)
             self._device_transports[key] = transport
+            self._apply_timeout()
         return transport
 
     def free(self) -> None:

@@ -350,3 +350,29 @@ def test_stand_in_streams_run_nothing_until_synchronised():
     fake.synchronize()
     assert x.sum() == 4
     assert isinstance(fake.new_stream(), FakeStream)
+
+
+def test_a_deadline_reaches_the_device_transports(device):
+    """comm.timeout also bounds device collectives' waits (through the host messages they
+    wait on): a rank that never comes is named, not waited for."""
+    import threading
+
+    gate = threading.Barrier(3)
+
+    def body():
+        comm = pycoll.world()
+        comm.timeout = 0.3
+        pycoll.allreduce(device_array(np.ones(4, np.float32)))  # the device transport exists
+        if comm.rank == 1:
+            gate.wait()
+            return None
+        try:
+            pycoll.allreduce(device_array(np.ones(4000, np.float32)), algorithm="ring")
+        except pycoll.CollectiveTimeout as error:
+            message = str(error)
+        gate.wait()
+        return message
+
+    results = pycoll.run_local(3, body)
+    assert results[2].startswith("allreduce (ring): rank 2 waited 0.3 s")
+    assert results[2].endswith("for rank(s) 1")
