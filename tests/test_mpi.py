@@ -100,6 +100,18 @@ def test_a_short_soak_is_right_and_flat():
     assert growth < 5, line
 
 
+@pytest.mark.parametrize("nranks,transport", [(2, "auto"), (3, "auto"), (5, "auto"),
+                                               (3, "mpi")])
+def test_hypothesis_under_mpiexec(nranks, transport):
+    """tests/mpi/fuzz.py: the same hypothesis draws on every process (the agreement check on,
+    so a rank drawing differently would be named, not hang), each against the oracle."""
+    done = launch(nranks, str(HERE / "fuzz.py"), "150", PYCOLL_CHECK="1",
+                  PYCOLL_HOST_TRANSPORT=transport)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert f"fuzz on {nranks} ranks: 150 examples, 0 failed" in output
+
+
 def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
