@@ -13,7 +13,8 @@ plain arrays). A segment holds:
   of records, each a 64-byte header (kind, tag, bytes, the message's total, where) and, for an
   inline record, its payload padded to 64 bytes. A message longer than a quarter of the ring
   travels in pieces, so the receiver reduces piece k while the sender copies piece k+1;
-* the one-shot AllReduce's two slots (see :meth:`SharedMemoryTransport.allreduce_small`).
+* two slots for calls made in one round (see :meth:`SharedMemoryTransport.publish_small`:
+  the one-shot AllReduce and the small ReduceScatter, AllGather, Broadcast and Reduce).
 
 A send whose buffer already lies in a shared window (:func:`pycoll.empty`) is not copied: its
 record names the window and offset, the receiver reads (or reduces) the data where it lies,
@@ -478,11 +479,12 @@ class SharedMemoryTransport:
     def _read_from(self, i: int, address: int, n: int, r: _Recv) -> None:
         """Read ``n`` bytes at ``address`` in local peer i's process into ``r``: straight into
         place for a copy; in cache-sized pieces, each reduced at once, for a reduction."""
-        pid = self._pids[i]
-        if r.combine is None:
-            into = r.bytes[r.received : r.received + n]
-            if not _read_process(pid, address, into):
+        def read(at: int, into: np.ndarray) -> None:
+            if not _read_process(self._pids[i], at, into):
                 raise OSError(f"rank {self.rank}: reading rank {self.local[i]}'s memory failed")
+
+        if r.combine is None:
+            read(address, r.bytes[r.received : r.received + n])
             r.received += n
             return
         itemsize = r.buf.itemsize
@@ -492,24 +494,11 @@ class SharedMemoryTransport:
         for start in range(0, n, piece):
             size = min(piece, n - start)
             into = self._scratch[:size]
-            if not _read_process(pid, address + start, into):
-                raise OSError(f"rank {self.rank}: reading rank {self.local[i]}'s memory failed")
+            read(address + start, into)
             r.combine(into.view(r.buf.dtype), (r.received + start) // itemsize)
         r.received += n
 
     # -- the one-shot AllReduce
-
-    def allreduce_small(self, x: np.ndarray, out: np.ndarray, reduce: Callable) -> None:
-        """Every rank's ``x`` (flat, at most ``small_bytes``) combined into ``out``, for a group
-        that is all on this node: each rank publishes ``x`` (:meth:`_publish_small`), then
-        reduces all slots in rank order (so every rank gets the same bits)."""
-        slots = self.publish_small(x, "allreduce")
-        if len(slots) == 1:
-            out[...] = slots[0]
-            return
-        reduce(out, slots[1], slots[0])
-        for k in range(2, len(slots)):
-            reduce(out, slots[k])
 
     def allgather_small(self, x: np.ndarray) -> np.ndarray:
         """Every rank's ``x`` (flat, at most ``small_bytes``, alike on every rank) as the rows

@@ -60,7 +60,7 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
     """The small AllReduce over shared memory (every rank on one node), with the checks of
     the general path done once per (dtype, op) and the common ``out`` cases checked inline;
     None when it does not apply, and the general path then runs (and reports any error)."""
-    shared = comm.one_shot_transport
+    shared = comm.one_shot_for(Collective.ALLREDUCE)
     if shared is None or x.nbytes > shared.small_bytes or not x.flags.c_contiguous:
         return None
     known = shared.ops.get((x.dtype, op))
@@ -69,8 +69,6 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
         parsed = _op(op, x, "allreduce")
         known = shared.ops[(x.dtype, op)] = (parsed, HOST.reducer(parsed, x.dtype))
     parsed, reducer = known
-    if comm.check:
-        _agree(comm, Collective.ALLREDUCE, x, parsed, "auto", None, None)
     if out is None:
         out = np.empty_like(x)
     elif not (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
@@ -79,12 +77,8 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
                    or not np.may_share_memory(out, x))):
         out = _out(out, x, x.shape, "allreduce", may_alias=True)  # raises, or in place
     flat = out if out.ndim == 1 else out.reshape(-1)
-    try:
-        shared.allreduce_small(x if x.ndim == 1 else x.reshape(-1), flat, reducer)
-    except WaitTimeout as late:
-        raise _broken(comm, CollectiveTimeout(
-            f"allreduce (one-shot): rank {comm.rank} waited {late.seconds:g} s for rank(s) "
-            f"{', '.join(map(str, late.peers))}")) from None
+    slots = _publish(comm, shared, Collective.ALLREDUCE, x, parsed, None, None)
+    _sum_in_rank_order(flat, slots, reducer)
     if parsed is ReduceOp.AVG:
         HOST.finish(flat, parsed, comm.size)
     return out
@@ -104,26 +98,35 @@ def _small_exchange(comm: Communicator, collective: Collective, x: Array, op: Re
     shared = comm.one_shot_for(collective)
     if shared is None or x.nbytes > min(shared.small_bytes, SMALL_EXCHANGE_BYTES):
         return None
+    return _publish(comm, shared, collective, x, op, blocks, root)
+
+
+def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndarray,
+             op: ReduceOp | None, blocks: tuple[int, ...] | None, root: int | None) -> tuple:
+    """Every rank's ``x`` through the shared slots, after the agreement check when it is on."""
     if comm.check:
-        _agree(comm, collective, x, op, algorithm, blocks, root)
+        _agree(comm, collective, x, op, "auto", blocks, root)
     try:
-        return shared.publish_small(x.reshape(-1), collective.value)
+        return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), collective.value)
     except WaitTimeout as late:
-        raise _broken(comm, CollectiveTimeout(
-            f"{collective.value} (one-shot): rank {comm.rank} waited {late.seconds:g} s for "
-            f"rank(s) {', '.join(map(str, late.peers))}")) from None
+        raise _timed_out(comm, f"{collective.value} (one-shot)", late) from None
 
 
-def _sum_in_rank_order(out: np.ndarray, parts: list, op: ReduceOp) -> None:
+def _timed_out(comm: Communicator, what: str, late: WaitTimeout) -> CollectiveTimeout:
+    """The error for a wait past its deadline outside a schedule; ``comm`` is broken by it."""
+    return _broken(comm, CollectiveTimeout(
+        f"{what}: rank {comm.rank} waited {late.seconds:g} s for rank(s) "
+        f"{', '.join(map(str, late.peers))}"))
+
+
+def _sum_in_rank_order(out: np.ndarray, parts: tuple, reduce: Any) -> None:
     """``out`` = parts[0] op parts[1] op ... (left to right: the same bits on every rank)."""
-    reduce = HOST.reducer(op, out.dtype)
     if len(parts) == 1:
         out[...] = parts[0]
-    else:
-        reduce(out, parts[1], parts[0])
-        for part in parts[2:]:
-            reduce(out, part)
-    HOST.finish(out, op, len(parts))
+        return
+    reduce(out, parts[1], parts[0])
+    for part in parts[2:]:
+        reduce(out, part)
 
 
 def reduce_scatter(
@@ -152,8 +155,10 @@ def reduce_scatter(
         slots = _small_exchange(comm, Collective.REDUCE_SCATTER, x, op, algorithm, stream, blocks)
         if slots is not None:  # every rank's x, in shared memory: sum my block in rank order
             start = sum(blocks[: comm.rank])
-            _sum_in_rank_order(out.reshape(-1), [s[start : start + blocks[comm.rank]]
-                                                 for s in slots], op)
+            flat = out.reshape(-1)
+            _sum_in_rank_order(flat, [s[start : start + blocks[comm.rank]] for s in slots],
+                               HOST.reducer(op, x.dtype))
+            HOST.finish(flat, op, comm.size)
             return out
         work = comm.buffer("reduce_scatter", x.size, x.dtype, space)
         _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
@@ -261,7 +266,9 @@ def reduce(
             if comm.rank != root:
                 return None
             out = _out(out, x, x.shape, "reduce", may_alias=True)
-            _sum_in_rank_order(out.reshape(-1), slots, op)
+            flat = out.reshape(-1)
+            _sum_in_rank_order(flat, slots, HOST.reducer(op, x.dtype))
+            HOST.finish(flat, op, comm.size)
             return out
         if comm.rank == root:
             out = _out(out, x, x.shape, "reduce", may_alias=True)
@@ -413,7 +420,7 @@ def barrier(comm: Communicator | None = None, *, async_op: bool = False) -> Any:
     if async_op:
         return _submit(barrier, "barrier", comm=comm)
     comm = _comm(comm)
-    shared = comm.one_shot()
+    shared = comm.one_shot_for(Collective.ALLREDUCE)
     x = np.zeros(1, np.int8)
     allreduce(x, comm=comm, algorithm="auto" if shared is not None else "direct")
 
@@ -610,9 +617,7 @@ def _run(
         try:
             _agree(comm, collective, x, op, algorithm, blocks, root)
         except WaitTimeout as late:
-            raise _broken(comm, CollectiveTimeout(
-                f"{collective.value} (agreement check): rank {comm.rank} waited "
-                f"{late.seconds:g} s for rank(s) {', '.join(map(str, late.peers))}")) from None
+            raise _timed_out(comm, f"{collective.value} (agreement check)", late) from None
     space = space_of(x)
     # PYCOLL_ALGO is read when a call shape is first prepared (see select.py)
     key = (collective, algorithm, x.dtype, x.size, op, root, peer, input_blocks, blocks,

@@ -24,7 +24,6 @@ from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
 from pycoll.bindings.transport import Transport
 
 _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
-_UNSET = object()
 
 
 class Communicator:
@@ -73,7 +72,6 @@ class Communicator:
         self._host: Any = None  # the host arrays' endpoint, made by the first collective
         self._shared: Any = None  # its shared-memory part, when ranks share a node
         self._node_comm: Any = None
-        self._one_shot: Any = _UNSET
         self._one_shot_by: dict[Any, tuple] = {}
 
     def submit(self, fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
@@ -148,27 +146,17 @@ class Communicator:
         shared = self._shared
         return shared if shared is not None and len(shared.local) == self.size else None
 
-    @property
-    def one_shot_transport(self) -> Any:
-        """:meth:`one_shot`, read on the small AllReduce's path."""
-        found = self._one_shot
-        return self.one_shot() if found is _UNSET else found
-
     def one_shot(self) -> Any:
         """The shared-memory endpoint that serves small AllReduces in one shot, when it
         reaches every rank and ``PYCOLL_ALGO`` forces no AllReduce family; else None."""
-        if self._one_shot is _UNSET:
-            from pycoll.schedule import Collective
-            from pycoll.select import forced_algorithm
+        from pycoll.schedule import Collective
 
-            shared = self.node_transport()
-            forced = forced_algorithm(Collective.ALLREDUCE) is not None
-            self._one_shot = shared if not forced else None
-        return self._one_shot
+        return self.one_shot_for(Collective.ALLREDUCE)
 
     def one_shot_for(self, collective: Any) -> Any:
-        """:meth:`one_shot`'s endpoint for another collective (ReduceScatter, AllGather,
-        Broadcast, Reduce), unless ``PYCOLL_ALGO`` forces that collective's family."""
+        """The shared-memory endpoint when it reaches every rank, for small calls of
+        ``collective`` in one shot through its slots, unless ``PYCOLL_ALGO`` forces that
+        collective's family; else None."""
         found = self._one_shot_by.get(collective)
         if found is None:
             from pycoll.select import forced_algorithm
@@ -305,7 +293,6 @@ class Communicator:
         freed = _Freed(self.rank, self.size)
         self.transport = self.p2p = self._host = freed
         self._shared = self._node_comm = None
-        self._one_shot = None
         self._one_shot_by.clear()
         self.prepared.clear()
         self._buffers.clear()
@@ -426,22 +413,19 @@ DEVICE_TRANSPORTS = ("auto", "ipc", "staged")
 HOST_TRANSPORTS = ("auto", "shm", "mpi")
 
 
-def _host_transport_mode() -> str:
-    mode = os.environ.get("PYCOLL_HOST_TRANSPORT", "auto").strip().lower() or "auto"
-    if mode not in HOST_TRANSPORTS:
-        raise ValueError(
-            f"PYCOLL_HOST_TRANSPORT={mode!r} is invalid; allowed: {', '.join(HOST_TRANSPORTS)}"
-        )
+def _transport_mode(name: str, allowed: tuple[str, ...]) -> str:
+    mode = os.environ.get(name, "auto").strip().lower() or "auto"
+    if mode not in allowed:
+        raise ValueError(f"{name}={mode!r} is invalid; allowed: {', '.join(allowed)}")
     return mode
+
+
+def _host_transport_mode() -> str:
+    return _transport_mode("PYCOLL_HOST_TRANSPORT", HOST_TRANSPORTS)
 
 
 def _device_transport_mode() -> str:
-    mode = os.environ.get("PYCOLL_DEVICE_TRANSPORT", "auto").strip().lower() or "auto"
-    if mode not in DEVICE_TRANSPORTS:
-        raise ValueError(
-            f"PYCOLL_DEVICE_TRANSPORT={mode!r} is invalid; allowed: {', '.join(DEVICE_TRANSPORTS)}"
-        )
-    return mode
+    return _transport_mode("PYCOLL_DEVICE_TRANSPORT", DEVICE_TRANSPORTS)
 
 
 def _ranks_per_node(size: int) -> int:
