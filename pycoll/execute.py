@@ -9,6 +9,7 @@ sends, waits for all, and reduces in the listed order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,11 @@ class Receive:
     # When reducing into a chunk whose seed copy was deferred: the INPUT range to combine
     # with instead of WORK, so seeding and the first reduction are one pass over memory.
     fused: tuple[int, int] | None = None
+    # Rank order (see _in_rank_order): ``first`` - WORK holds nothing yet, so the incoming data
+    # starts it (``fused`` is then combined after it, not before); ``own_last`` - ``fused``
+    # is combined after the incoming data.
+    first: bool = False
+    own_last: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,10 +133,12 @@ def compile_program(
                     transmits.append(Transmit(peer, from_input, start, stop))
                 else:
                     transmits[at] = Transmit(peer, from_input, transmits[at].start, stop)
+        if rank in schedule.input_read_late:  # INPUT never aliases WORK here
+            _in_rank_order(receives, rank)
         used = 0
         for i, r in enumerate(receives):  # scratch for the reductions, message by message
             if r.scratch >= 0:
-                receives[i] = Receive(r.peer, r.start, r.stop, used, r.fused)
+                receives[i] = dataclasses.replace(r, scratch=used)
                 used += r.stop - r.start
         most = max(most, used)
         if receives or transmits:
@@ -138,6 +146,30 @@ def compile_program(
     for chunk in list(pending):  # never touched by a step: part of the result as seeded
         materialize(chunk)
     return Program(tuple(seeds), tuple(steps), most)
+
+
+def _in_rank_order(receives: list[Receive], rank: int) -> None:
+    """Reorder, in place, a step's reductions of several peers into one range whose seed was
+    deferred, so that they combine in rank order with this rank's INPUT at its own place:
+    ((x0 op x1) op x2) ... on every rank. Every rank then adds the same arrays the same way,
+    so the direct AllReduce gives the same bits on every rank (and the same as the
+    shared-memory one-shot's and two_shot's)."""
+    ranges: dict[tuple[int, int], list[int]] = {}
+    for i, r in enumerate(receives):
+        if r.scratch >= 0:
+            ranges.setdefault((r.start, r.stop), []).append(i)
+    for positions in ranges.values():
+        members = [receives[i] for i in positions]
+        own = members[0].fused
+        if len(members) < 2 or own is None or any(m.fused is not None for m in members[1:]):
+            continue
+        ordered = sorted(members, key=lambda m: m.peer)
+        lower = sum(m.peer < rank for m in ordered)
+        for k, (i, m) in enumerate(zip(positions, ordered)):
+            # own first when no peer is below; else after the last lower peer's data
+            fused = own if k == max(lower - 1, 0) else None
+            receives[i] = dataclasses.replace(m, fused=fused, first=lower > 0 and k == 0,
+                                              own_last=lower > 0 and fused is not None)
 
 
 def run(
@@ -169,7 +201,7 @@ def run(
     at = [0]  # the step being run, for a timeout's message
     try:
         if getattr(transport, "delivers", False):
-            _run_delivered(program, source, work, transport, tag, reduce, at)
+            _run_delivered(program, source, work, transport, tag, reduce, space, at)
         else:
             _run_steps(program, source, work, transport, tag, reduce, space, scratch, at)
     except WaitTimeout as late:
@@ -190,7 +222,7 @@ def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at
             out = (source if t.from_input else work)[t.start : t.stop]
             transport.sendrecv(out, t.peer, into, r.peer, tag)
             if r.scratch >= 0:
-                _reduce(reduce, work, source, r, into)
+                _reduce(reduce, space, work, source, r, into)
             continue
         requests = []
         reductions = []
@@ -206,16 +238,17 @@ def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at
             requests.append(transport.isend(buffer[t.start : t.stop], t.peer, tag))
         transport.waitall(requests)
         for r, incoming in reductions:
-            _reduce(reduce, work, source, r, incoming)
+            _reduce(reduce, space, work, source, r, incoming)
 
 
 def _run_delivered(program: Program, source, work, transport, tag: int, reduce: Reducer,
-                   at: list[int]) -> None:
+                   space: Any, at: list[int]) -> None:
     for index, (receives, transmits) in enumerate(program.steps):
         at[0] = index
         requests = []
         for r in receives:
-            combine = None if r.scratch < 0 else functools.partial(_reduce, reduce, work, source, r)
+            combine = (None if r.scratch < 0
+                       else functools.partial(_reduce, reduce, space, work, source, r))
             requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag, combine))
         for t in transmits:
             buffer = source if t.from_input else work
@@ -223,13 +256,24 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
         transport.waitall(requests)
 
 
-def _reduce(reduce: Reducer, work, source, receive: Receive, incoming, offset: int = 0) -> None:
+def _reduce(reduce: Reducer, space: Any, work, source, receive: Receive, incoming,
+            offset: int = 0) -> None:
     """Reduce ``incoming`` into the receive's range of WORK, ``offset`` elements in (a
     delivering transport may hand a long message over in pieces)."""
     start = receive.start + offset
     target = work[start : start + incoming.size]
     if receive.fused is None:
-        reduce(target, incoming)
+        if receive.first:
+            space.copy(target, incoming)
+        else:
+            reduce(target, incoming)
+        return
+    first = receive.fused[0] + offset
+    own = source[first : first + incoming.size]
+    if not receive.own_last:
+        reduce(target, incoming, own)
+    elif receive.first:
+        reduce(target, own, incoming)
     else:
-        first = receive.fused[0] + offset
-        reduce(target, incoming, source[first : first + incoming.size])
+        reduce(target, incoming)
+        reduce(target, own)

@@ -1,7 +1,7 @@
 """Determinism, as docs/reliability.md states it: for a fixed algorithm and rank count the
-bits are the same on every repeat; on every rank too, except the direct (one-shot schedule)
-AllReduce at 3 ranks or more, where each rank adds in its own order; and at 2 ranks every
-family gives the same bits (a + b = b + a exactly)."""
+bits are the same on every repeat and on every rank; at 2 ranks every family gives the same
+bits (a + b = b + a exactly); direct, two_shot and the shared-memory one-shot all add in rank
+order, ((x0 + x1) + x2) + ..., so they give the same bits as each other at any rank count."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import pycoll
+from pycoll import select
 from pycoll.algorithms import families_for
 from pycoll.schedule import Collective
 
@@ -32,12 +33,47 @@ def test_allreduce_bits(monkeypatch, transport, nranks, algorithm):
 
     first, second = once(), once()
     assert [a.tobytes() for a in first] == [b.tobytes() for b in second]  # repeatable
-    same_everywhere = len({a.tobytes() for a in first}) == 1
-    chosen = algorithm
-    if algorithm == "auto":  # the family auto picks, unless shared memory's one-shot serves it
-        chosen = pycoll.run_local(nranks, lambda: "one-shot" if pycoll.world().one_shot()
-                                  else pycoll.plan("allreduce", xs[0].nbytes).algorithm)[0]
-    assert same_everywhere or (chosen == "direct" and nranks >= 3)
+    assert len({a.tobytes() for a in first}) == 1  # the same on every rank
+
+
+def in_rank_order(xs: list[np.ndarray]) -> np.ndarray:
+    total = xs[0].copy()
+    for x in xs[1:]:
+        total += x
+    return total
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+@pytest.mark.parametrize("nranks", [3, 4, 5])
+# auto: the small size only (shared memory's one-shot, or the family auto picks); the longer
+# size goes in pieces over shared memory
+@pytest.mark.parametrize(("algorithm", "size"), [("direct", 1001), ("two_shot", 1001),
+                                                 ("auto", 1001), ("direct", 700_001),
+                                                 ("two_shot", 700_001)])
+def test_rank_order_families_give_the_rank_order_sum(monkeypatch, transport, nranks, algorithm,
+                                                       size):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", transport)
+    rng = np.random.default_rng(size + nranks)
+    xs = [(rng.standard_normal(size) * 10.0 ** rng.integers(-3, 4, size)).astype(np.float32)
+          for _ in range(nranks)]
+    results = pycoll.run_local(
+        nranks, lambda: pycoll.allreduce(xs[pycoll.world().rank], algorithm=algorithm))
+    expected = in_rank_order(xs).tobytes()
+    assert all(r.tobytes() == expected for r in results)
+
+
+@pytest.mark.parametrize("nranks", [3, 4])
+@pytest.mark.parametrize("segments", [1, 3])
+def test_direct_in_place_and_segmented_keep_rank_order(monkeypatch, nranks, segments):
+    monkeypatch.setattr(select, "FORCED_SEGMENTS", segments)
+    xs = inputs(nranks)
+
+    def in_place():
+        x = xs[pycoll.world().rank].copy()
+        return pycoll.allreduce(x, out=x, algorithm="direct")
+
+    expected = in_rank_order(xs).tobytes()
+    assert all(r.tobytes() == expected for r in pycoll.run_local(nranks, in_place))
 
 
 def test_at_two_ranks_every_family_gives_the_same_bits():

@@ -61,6 +61,14 @@ def test_every_collective_over_each_host_transport(nranks, settings):
     assert ", 0 failed" in output
 
 
+@pytest.mark.parametrize("transport", ["auto", "mpi"])
+def test_every_process_gets_the_same_bits(transport):
+    done = launch(3, str(HERE / "determinism.py"), PYCOLL_HOST_TRANSPORT=transport)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "determinism on 3 ranks: 12 checked, 0 failed" in output, output
+
+
 def test_a_disagreement_is_named_on_every_process():
     done = launch(3, str(HERE / "agree.py"), PYCOLL_CHECK="1")
     output = done.stdout + done.stderr

@@ -13,9 +13,9 @@ not depend on ``S``.
   every other rank and reduces the ``p-1`` arrays it receives into its WORK (already seeded with
   its own). It sends from INPUT because it receives into WORK in the same step. Each rank sends
   ``(p-1) n`` bytes. Cost: ``(p-1)(alpha + n beta) + (p-1) n gamma``; with links in parallel
-  ``alpha + n beta + (p-1) n gamma``. Each rank adds the arrays in its own order (its own
-  first, then the others by rank), so for floating-point data the results may differ in the
-  last bits between ranks; integer results are exact and equal everywhere.
+  ``alpha + n beta + (p-1) n gamma``. The executor combines a step's reductions into one
+  range in rank order, the rank's own array at its own place (``_in_rank_order`` in
+  pycoll/execute.py), so every rank gets the same bits.
 * :func:`reduce_scatter_direct` (``nblocks = p``): one round: every rank sends block j (from
   INPUT) to rank j and reduces block r from every peer. Each rank sends ``(p-1)/p n`` bytes.
   Cost: ``(p-1) alpha + (p-1)/p n beta + (p-1)/p n gamma``.
