@@ -131,14 +131,16 @@ def test_shared_memory_leaves_nothing_in_dev_shm():
     assert shm_files() - before == set()
 
 
-def test_a_killed_rank_ends_the_job_and_shared_memory_adds_no_leftovers():
+@pytest.mark.parametrize("mode", ["kill", "kill-device"])
+def test_a_killed_rank_ends_the_job_and_shared_memory_adds_no_leftovers(mode):
     """MPICH itself leaves its own segment behind when a rank is killed (a plain mpi4py
-    program does too); the shared-memory transport must add nothing to that."""
+    program does too); the shared-memory transport must add nothing to that. ``kill-device``:
+    the others wait in a collective on (stand-in) device arrays."""
     left = {}
     for transport in ("mpi", "auto"):
         before = shm_files()
         started = time.monotonic()
-        done = launch(3, str(HERE / "faults.py"), "kill", timeout=120,
+        done = launch(3, str(HERE / "faults.py"), mode, timeout=120,
                       PYCOLL_HOST_TRANSPORT=transport)
         assert done.returncode != 0
         assert "finished, which it must not" not in done.stdout + done.stderr

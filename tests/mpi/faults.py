@@ -3,7 +3,8 @@
 Run as ``python tests/mpi/faults.py MODE`` with MODE ``raise`` (an uncaught exception, which
 pycoll's MPI world turns into an abort of the whole job) or ``bad-input`` (a validation error
 on one rank only) or ``kill`` (rank 1 is killed by SIGKILL after the shared-memory transport
-was made, while the others wait for it in a collective).
+was made, while the others wait for it in a collective) or ``kill-device`` (the same with
+device arrays: a stand-in device per process, the staged MPI transport).
 """
 
 from __future__ import annotations
@@ -12,14 +13,23 @@ import os
 import signal
 import sys
 
+from pathlib import Path
+
 import numpy as np
 
-import pycoll
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from fake_device import FakeDevice, device_array  # noqa: E402
+
+import pycoll  # noqa: E402
+from pycoll import spaces  # noqa: E402
 
 mode = sys.argv[1]
 comm = pycoll.world()
 x = np.arange(8, dtype=np.float32)
-if mode == "kill":
+if mode == "kill-device":
+    spaces.register(FakeDevice(seed=comm.rank))
+    x = device_array(x)
+if mode.startswith("kill"):
     pycoll.allreduce(x)  # the first collective makes the shared-memory transport
     if comm.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
