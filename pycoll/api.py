@@ -355,8 +355,9 @@ def send(
     x: Array, dst: int, tag: int = 0, *, comm: Communicator | None = None, stream: Any = None,
     async_op: bool = False,
 ) -> None:
-    """Send ``x`` to rank ``dst``; returns when ``dst`` has received it (device arrays: when
-    the copy is enqueued on ``dst``'s stream)."""
+    """Send ``x`` to rank ``dst``; returns when ``x`` may be reused: ``dst`` has received it
+    (in-process always; device arrays: the copy is enqueued on ``dst``'s stream), or MPI has
+    buffered it (a short message, as MPI_Send may). Programs must not rely on either."""
     if async_op:
         return _submit(send, "send", x, dst, tag, comm=comm, stream=stream)
     comm = _comm(comm)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-
 from pathlib import Path
 
 import numpy as np
