@@ -106,6 +106,7 @@ def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndar
     """Every rank's ``x`` through the shared slots, after the agreement check when it is on."""
     if comm.check:
         _agree(comm, collective, x, op, "auto", blocks, root)
+    comm.traffic.to_every_peer(x.nbytes)
     try:
         return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), collective.value)
     except WaitTimeout as late:
@@ -645,7 +646,7 @@ def _run(
         scratch = comm.buffer("scratch", program.scratch_elements, target.dtype, space)
     try:
         run(program, source, target, transport, tag, reduce, space, scratch,
-            f"{collective.value} ({schedule.algorithm})")
+            f"{collective.value} ({schedule.algorithm})", comm.traffic.add)
     except CollectiveTimeout as error:
         raise _broken(comm, error) from None
 
@@ -685,7 +686,8 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
         topology = select.topology_for(comm, space)
         plan = select.plan_for(collective, nbytes, comm.size, algorithm, topology,
                                dtype.itemsize, root)
-    schedule = algorithms.build(plan.algorithm, collective, comm.size, plan.nsegments, root, peer)
+    schedule = algorithms.build(plan.algorithm, collective, comm.size, plan.nsegments, root, peer,
+                                comm.ranks_per_node)
     work_blocks = tuple(split(size, schedule.nblocks)) if blocks is None else blocks
     input_blocks = work_blocks if input_blocks is None else input_blocks
     program = compile_program(

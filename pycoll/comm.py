@@ -22,6 +22,7 @@ from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
 from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi, node_of_each_rank
 from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
 from pycoll.bindings.transport import Transport
+from pycoll.traffic import Traffic
 
 _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
 
@@ -40,6 +41,7 @@ class Communicator:
             raise TypeError(f"mpi_comm={mpi_comm!r} is not an mpi4py communicator")
         self.mpi_comm = parent
         self._attach(MPITransport(parent.Dup()), MPITransport(parent.Dup()))
+        self.nodes()  # collective (a shared-memory split): here, where every rank is
 
     @classmethod
     def _over(cls, transport: Transport, p2p: Transport) -> Communicator:
@@ -73,6 +75,8 @@ class Communicator:
         self._shared: Any = None  # its shared-memory part, when ranks share a node
         self._node_comm: Any = None
         self._one_shot_by: dict[Any, tuple] = {}
+        self._nodes: list[int] | None = None
+        self._traffic: Traffic | None = None
 
     def submit(self, fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` (a collective on this communicator) on its worker;
@@ -119,6 +123,37 @@ class Communicator:
             # credits and notices of peer memory
             pending += [getattr(endpoint, inner, None) for inner in ("host", "credits", "notices")]
             pending += list(getattr(endpoint, "routes", ()))
+
+    def nodes(self) -> list[int]:
+        """Each rank's node number (0 upward in order of the nodes' lowest ranks): ranks that
+        share memory under MPI (found when the communicator is made), else
+        ``PYCOLL_RANKS_PER_NODE`` consecutive ranks per node (in-process: one node unless
+        set; under MPI it overrides the discovery, to simulate nodes on one machine)."""
+        if self._nodes is None:
+            if self.mpi_comm is not None and not os.environ.get("PYCOLL_RANKS_PER_NODE"):
+                self._nodes = node_of_each_rank(self.mpi_comm)
+            else:
+                per_node = _ranks_per_node(self.size)
+                self._nodes = [r // per_node for r in range(self.size)]
+        return self._nodes
+
+    @property
+    def traffic(self) -> Traffic:
+        """Messages and bytes this rank has handed its transports, per link class (intra-
+        and inter-node): ``comm.traffic.bytes["inter"]``; ``comm.traffic.reset()``."""
+        if self._traffic is None:
+            self._traffic = Traffic(self.nodes(), self.rank)
+        return self._traffic
+
+    @property
+    def ranks_per_node(self) -> int:
+        """k when the ranks form nodes of k consecutive ranks each and there is more than one
+        node (what the hierarchical schedules and the cost model's two link classes need);
+        0 otherwise (one node, or nodes of unequal or scattered ranks)."""
+        nodes = self.nodes()
+        k = nodes.count(0)
+        regular = self.size % k == 0 and nodes == [r // k for r in range(self.size)]
+        return k if regular and k < self.size else 0
 
     def host_transport(self) -> Any:
         """The endpoint that moves host (numpy) arrays for collectives, made on first use.
@@ -175,15 +210,7 @@ class Communicator:
         if self.size == 1 or mode == "mpi" or (mode == "auto" and self.mpi_comm is None):
             return self.transport
         ring, small = shm.ring_bytes_from_env(), shm.small_bytes_from_env()
-        if self.mpi_comm is not None:
-            per_node = os.environ.get("PYCOLL_RANKS_PER_NODE")
-            if per_node:
-                nodes = [r // _ranks_per_node(self.size) for r in range(self.size)]
-            else:
-                nodes = node_of_each_rank(self.mpi_comm)
-        else:
-            per_node = _ranks_per_node(self.size)
-            nodes = [r // per_node for r in range(self.size)]
+        nodes = self.nodes()
         if len(set(nodes)) < self.size:  # some ranks share a node
             self._host_kind = "shm"
         local = [r for r in range(self.size) if nodes[r] == nodes[self.rank]]

@@ -182,6 +182,7 @@ def run(
     space: Any = HOST,
     scratch: Any = None,
     what: str = "collective",
+    count: Callable[[int, int], None] | None = None,
 ) -> None:
     """Seed WORK from INPUT (flat views), then run the program's steps in order.
 
@@ -189,7 +190,8 @@ def run(
     current stream). A transport that ``delivers`` takes each reduction with its receive and
     combines the incoming data where it lands (a peer-memory inbox, a staging buffer);
     otherwise data arrives in ``scratch`` (at least ``program.scratch_elements`` long; made
-    here when not given) and is reduced here.
+    here when not given) and is reduced here. ``count(peer, nbytes)``, when given, is told
+    of every message handed to the transport (pycoll/traffic.py).
     """
     for in_start, in_stop, work_start, work_stop in program.seeds:
         target = work[work_start:work_stop]
@@ -201,9 +203,10 @@ def run(
     at = [0]  # the step being run, for a timeout's message
     try:
         if getattr(transport, "delivers", False):
-            _run_delivered(program, source, work, transport, tag, reduce, space, at)
+            _run_delivered(program, source, work, transport, tag, reduce, space, at, count)
         else:
-            _run_steps(program, source, work, transport, tag, reduce, space, scratch, at)
+            _run_steps(program, source, work, transport, tag, reduce, space, scratch, at,
+                       count)
     except WaitTimeout as late:
         raise CollectiveTimeout(
             f"{what}: rank {transport.rank} waited {late.seconds:g} s at step {at[0] + 1} of "
@@ -211,7 +214,8 @@ def run(
         ) from None
 
 
-def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at) -> None:
+def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at,
+                       count) -> None:
     if scratch is None and program.scratch_elements:
         scratch = space.empty(program.scratch_elements, work.dtype)
     for index, (receives, transmits) in enumerate(program.steps):
@@ -220,6 +224,8 @@ def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at
             r, t = receives[0], transmits[0]
             into = work[r.start : r.stop] if r.scratch < 0 else scratch[: r.stop - r.start]
             out = (source if t.from_input else work)[t.start : t.stop]
+            if count is not None:
+                count(t.peer, out.nbytes)
             transport.sendrecv(out, t.peer, into, r.peer, tag)
             if r.scratch >= 0:
                 _reduce(reduce, space, work, source, r, into)
@@ -234,15 +240,17 @@ def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at
                 requests.append(transport.irecv(into, r.peer, tag))
                 reductions.append((r, into))
         for t in transmits:
-            buffer = source if t.from_input else work
-            requests.append(transport.isend(buffer[t.start : t.stop], t.peer, tag))
+            out = (source if t.from_input else work)[t.start : t.stop]
+            if count is not None:
+                count(t.peer, out.nbytes)
+            requests.append(transport.isend(out, t.peer, tag))
         transport.waitall(requests)
         for r, incoming in reductions:
             _reduce(reduce, space, work, source, r, incoming)
 
 
 def _run_delivered(program: Program, source, work, transport, tag: int, reduce: Reducer,
-                   space: Any, at: list[int]) -> None:
+                   space: Any, at: list[int], count) -> None:
     for index, (receives, transmits) in enumerate(program.steps):
         at[0] = index
         requests = []
@@ -251,8 +259,10 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
                        else functools.partial(_reduce, reduce, space, work, source, r))
             requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag, combine))
         for t in transmits:
-            buffer = source if t.from_input else work
-            requests.append(transport.isend(buffer[t.start : t.stop], t.peer, tag))
+            out = (source if t.from_input else work)[t.start : t.stop]
+            if count is not None:
+                count(t.peer, out.nbytes)
+            requests.append(transport.isend(out, t.peer, tag))
         transport.waitall(requests)
 
 

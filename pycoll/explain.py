@@ -177,7 +177,10 @@ def explain(
         raise ValueError(f"root={root} is not a rank; allowed: 0..{nranks - 1}")
     if nsegments < 1:
         raise ValueError(f"segments={nsegments} is invalid; allowed: an int >= 1")
-    schedule = algorithms.build(algorithm, kind, nranks, nsegments, root)
+    # the nodes (PYCOLL_RANKS_PER_NODE) as the run below sees them: for hierarchical
+    per_node = pycoll.run_local(nranks, lambda: pycoll.world().ranks_per_node)[0]
+    schedule = algorithms.build(algorithm, kind, nranks, nsegments, root,
+                                ranks_per_node=per_node)
     report = check(schedule)
     inputs = [
         seed_shard(nranks, r) if kind is Collective.ALLGATHER else seed_input(nranks, r)

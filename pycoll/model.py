@@ -192,6 +192,23 @@ def predict(
     return play(compiled, topology, itemsize)
 
 
+def traffic(schedule: Schedule, count: int, ranks_per_node: int, itemsize: int = 1
+            ) -> list[dict[str, int]]:
+    """The bytes each rank sends within its node (``intra``) and to other nodes (``inter``)
+    in a call of ``count`` elements: read from the same compiled programs the model plays
+    (what ``comm.traffic`` counts when the call runs)."""
+    k = ranks_per_node or schedule.nranks
+    sent = []
+    for rank, program in enumerate(programs(schedule, count)):
+        mine = {"intra": 0, "inter": 0}
+        for _, transmits in program.steps:
+            for t in transmits:
+                link = "intra" if t.peer // k == rank // k else "inter"
+                mine[link] += (t.stop - t.start) * itemsize
+        sent.append(mine)
+    return sent
+
+
 def play(compiled: list[Program], topology: Topology, itemsize: int) -> Prediction:
     """Play compiled programs under the rendezvous rule; the slowest rank's finish."""
     nranks = len(compiled)
@@ -322,7 +339,8 @@ def candidates(
             if nsegments > 1 and count < nsegments * nranks:
                 break
             schedule = algorithms.build(
-                family, collective, nranks, nsegments, root if collective in ROOTED else None
+                family, collective, nranks, nsegments, root if collective in ROOTED else None,
+                ranks_per_node=topology.ranks_per_node,
             )
             seconds = play(programs(schedule, count), topology, itemsize).seconds
             out.append(Candidate(family, nsegments, seconds))

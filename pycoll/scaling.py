@@ -8,7 +8,8 @@ doubling for powers of two), so beyond
 ``FULL_LIMIT`` ranks one rank's steps are built (``building_only``) and played in lockstep:
 every step costs what it costs that rank, as every rank does the same (the tests check this
 equals the full play). Their segment count is then 1 (a ring's segments run one after
-another, so under the model more only add alphas). Direct is left out beyond 512 ranks.
+another, so under the model more only add alphas). Direct and two_shot are left out beyond
+512 ranks.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from pathlib import Path
 from pycoll import algorithms, model
 from pycoll.bench import bus_factor
 from pycoll.schedule import ROOTED, Collective, building_only
+from pycoll.select import spans_nodes
 
 FULL_LIMIT = 64  # beyond this, symmetric schedules are played on one rank (same result)
 DIRECT_LIMIT = 512  # p-1 messages per rank: not a candidate beyond
+ONE_ROUND = ("direct", "two_shot")  # the families with p-1 messages per rank and round
 _SHARDED = {Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.ALLGATHER}
-LOCKSTEP = {"ring": _SHARDED, "direct": _SHARDED, "halving_doubling": _SHARDED}
+LOCKSTEP = {"ring": _SHARDED, "direct": _SHARDED, "halving_doubling": _SHARDED,
+            "hierarchical": _SHARDED}
 
 
 def builtin_topologies() -> dict[str, model.Topology]:
@@ -88,7 +92,8 @@ def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: i
         if lockstep:
             seconds = _lockstep(collective, family, nranks, count, topology, itemsize)
         else:
-            schedule = algorithms.build(family, collective, nranks, nsegments, root)
+            schedule = algorithms.build(family, collective, nranks, nsegments, root,
+                                        ranks_per_node=topology.ranks_per_node)
             seconds = model.play(model.programs(schedule, count), topology, itemsize).seconds
         if best is None or seconds < best[1]:
             best = (nsegments, seconds)
@@ -100,7 +105,7 @@ def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: i
 
 
 def _lockstep(collective, family, nranks, count, topology, itemsize) -> float:
-    schedule = _rank_zero_schedule(collective, family, nranks)
+    schedule = _rank_zero_schedule(collective, family, nranks, topology.ranks_per_node)
     # Every chunk holds data, so that rank 0 does what every rank does (with fewer elements
     # than blocks, empty transfers would drop out on some ranks and not on others).
     program = model.program_of(schedule, 0, max(count, schedule.nchunks))
@@ -108,17 +113,20 @@ def _lockstep(collective, family, nranks, count, topology, itemsize) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _rank_zero_schedule(collective: Collective, family: str, nranks: int):
+def _rank_zero_schedule(collective: Collective, family: str, nranks: int, ranks_per_node: int):
     emit = algorithms.FAMILIES[family].SCHEDULES[collective]
+    nodes = {"ranks_per_node": ranks_per_node} if algorithms.node_aware(family) else {}
     with building_only(frozenset({0})):
-        return emit(nranks, 1)
+        return emit(nranks, 1, **nodes)
 
 
 def table(collective: Collective, ranks: list[int], sizes: list[int], topology: model.Topology,
           families: list[str] | None = None, itemsize: int = 4) -> list[list[Estimate]]:
     """For every (rank count, size): every family's estimate."""
-    families = families or [f for f in algorithms.families_for(collective)
-                            if not (f == "direct" and max(ranks) > DIRECT_LIMIT)]
+    families = families or [
+        f for f in algorithms.families_for(collective)
+        if not (f in ONE_ROUND and max(ranks) > DIRECT_LIMIT)
+        and not (algorithms.node_aware(f) and not spans_nodes(topology, min(ranks)))]
     rows = []
     for p in ranks:
         for nbytes in sizes:

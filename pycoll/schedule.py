@@ -269,6 +269,11 @@ class ScheduleBuilder:
     def chunks_of_block(self, block: int) -> range:
         return range(self.chunk(block), self.chunk(block + 1))
 
+    def wants(self, rank: int) -> bool:
+        """Whether ``rank``'s steps are being built (see ``building_only``): an algorithm may
+        skip the loops of groups that hold no such rank."""
+        return self._only is None or rank in self._only
+
     def add(self, rank: int, transfer: Transfer) -> None:
         if self._only is not None and rank not in self._only:
             return

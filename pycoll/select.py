@@ -15,10 +15,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pycoll import model
-from pycoll.algorithms import build, families_for
+from pycoll.algorithms import build, families_for, node_aware
 from pycoll.schedule import ROOTED, Collective
 
 ALGO_ENV = "PYCOLL_ALGO"
@@ -153,6 +153,8 @@ def rank_candidates(
     root = (root or 0) if collective in ROOTED else None
     out = []
     for family in families or families_for(collective):
+        if families is None and node_aware(family) and not spans_nodes(topology, nranks):
+            continue  # on one node it is a flat ring or tree under another name
         for nsegments in segments or model.SEGMENT_CHOICES:
             if segments is None and nsegments > 1 and count < 4 * nsegments * nranks:
                 break  # chunks of a few elements: more segments only add messages
@@ -168,8 +170,9 @@ def estimate(collective, family, nranks, nsegments, root, topology, itemsize, co
     """The model's time for ``count`` elements: exact for a small call; otherwise linear
     between exact plays at the powers of two around ``count`` (cached), so that a size sweep
     plays each schedule about once per size, whatever the rank count."""
-    key = (collective, family, nranks, nsegments, root)
-    nchunks = build(family, collective, nranks, nsegments, root).nchunks
+    key = (collective, family, nranks, nsegments, root, topology.ranks_per_node)
+    nchunks = build(family, collective, nranks, nsegments, root,
+                    ranks_per_node=topology.ranks_per_node).nchunks
     if count <= 64 * nchunks:
         return _exact(key, topology, itemsize, count)
     low = 1 << (count.bit_length() - 1)
@@ -182,8 +185,9 @@ def estimate(collective, family, nranks, nsegments, root, topology, itemsize, co
 
 @functools.lru_cache(maxsize=8192)
 def _exact(key: tuple, topology: model.Topology, itemsize: int, count: int) -> float:
-    collective, family, nranks, nsegments, root = key
-    schedule = build(family, collective, nranks, nsegments, root)
+    collective, family, nranks, nsegments, root, ranks_per_node = key
+    schedule = build(family, collective, nranks, nsegments, root,
+                     ranks_per_node=ranks_per_node)
     return model.play(model.programs(schedule, count), topology, itemsize).seconds
 
 
@@ -200,9 +204,17 @@ def topology_for(comm, space) -> model.Topology:
         tuned = model.nearest(model.load_tuning().get(kind, []), comm.size)
     if comm.mpi_comm is not None:
         tuned = comm.transport.comm.bcast(tuned, root=0)
-    topology = tuned or DEFAULTS[kind]
+    # the ranks' actual nodes: which links are between nodes, and whether hierarchical
+    # schedules apply
+    topology = replace(tuned or DEFAULTS[kind], ranks_per_node=comm.ranks_per_node)
     comm.topologies[kind] = topology
     return topology
+
+
+def spans_nodes(topology: model.Topology, nranks: int) -> bool:
+    """Whether ``topology`` puts ``nranks`` ranks in several equal nodes."""
+    k = topology.ranks_per_node
+    return 0 < k < nranks and nranks % k == 0
 
 
 def report(plan: Plan, rank: int) -> None:

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from pycoll.algorithms import families_for
+from pycoll.schedule import Collective
+
 HERE = Path(__file__).parent / "mpi"
 
 
@@ -52,6 +55,8 @@ ROUTED = {"PYCOLL_RANKS_PER_NODE": "2", "PYCOLL_SHM_RING_BYTES": "16384"}
 
 @pytest.mark.parametrize("nranks,settings", [
     (3, {"PYCOLL_HOST_TRANSPORT": "mpi"}), (3, ROUTED), (5, ROUTED),
+    # simulated nodes of equal size: the hierarchical family runs its two-level schedules
+    (4, {"PYCOLL_RANKS_PER_NODE": "2"}), (6, {"PYCOLL_RANKS_PER_NODE": "3"}),
 ])
 def test_every_collective_over_each_host_transport(nranks, settings):
     done = launch(nranks, "-m", "mpi4py", str(HERE / "collectives.py"), **settings)
@@ -66,7 +71,17 @@ def test_every_process_gets_the_same_bits(transport):
     done = launch(3, str(HERE / "determinism.py"), PYCOLL_HOST_TRANSPORT=transport)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "determinism on 3 ranks: 12 checked, 0 failed" in output, output
+    cases = 2 * (len(families_for(Collective.ALLREDUCE)) + 1)  # 2 sizes x (families, auto)
+    assert f"determinism on 3 ranks: {cases} checked, 0 failed" in output, output
+
+
+@pytest.mark.parametrize("nranks,per_node", [(4, 2), (6, 2), (8, 4)])
+def test_inter_node_bytes_equal_the_model_between_processes(nranks, per_node):
+    done = launch(nranks, str(HERE / "traffic.py"), PYCOLL_RANKS_PER_NODE=str(per_node))
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert (f"traffic on {nranks} ranks in {nranks // per_node} nodes: {nranks} of {nranks} "
+            "equal the model") in output, output
 
 
 def test_a_disagreement_is_named_on_every_process():

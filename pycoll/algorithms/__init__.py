@@ -5,6 +5,9 @@ Every family module defines ``SCHEDULES``, a mapping from :class:`Collective` to
 * unrooted collectives: ``f(nranks, nsegments=1) -> Schedule``
 * Broadcast and Reduce: ``f(nranks, root, nsegments=1) -> Schedule``
 * Send/Recv: ``f(nranks, src, dst, nsegments=1) -> Schedule``
+
+A family whose module sets ``NODE_AWARE = True`` (hierarchical) also takes
+``ranks_per_node=``: the ranks form nodes of that many consecutive ranks (0: one node).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from functools import lru_cache
 from types import ModuleType
 
-from pycoll.algorithms import direct, halving_doubling, ring, tree, two_shot
+from pycoll.algorithms import direct, halving_doubling, hierarchical, ring, tree, two_shot
 from pycoll.schedule import ROOTED, Collective, Schedule
 
 FAMILIES: dict[str, ModuleType] = {
@@ -21,6 +24,7 @@ FAMILIES: dict[str, ModuleType] = {
     "halving_doubling": halving_doubling,
     "direct": direct,
     "two_shot": two_shot,
+    "hierarchical": hierarchical,
 }
 
 
@@ -29,7 +33,11 @@ def families_for(collective: Collective) -> list[str]:
     return [name for name, module in FAMILIES.items() if collective in module.SCHEDULES]
 
 
-@lru_cache(maxsize=1024)
+def node_aware(family: str) -> bool:
+    """Whether ``family``'s schedules depend on the ranks' nodes."""
+    return getattr(FAMILIES.get(family), "NODE_AWARE", False)
+
+
 def build(
     family: str,
     collective: Collective,
@@ -37,8 +45,18 @@ def build(
     nsegments: int = 1,
     root: int | None = None,
     peer: int | None = None,
+    ranks_per_node: int = 0,
 ) -> Schedule:
-    """The schedule ``family`` emits for ``collective``; cached, since schedules are immutable."""
+    """The schedule ``family`` emits for ``collective``; cached, since schedules are immutable.
+    ``ranks_per_node`` (0: one node) matters to node-aware families only."""
+    if ranks_per_node >= nranks or not node_aware(family):
+        ranks_per_node = 0  # one cache entry for what does not depend on it
+    return _build(family, collective, nranks, nsegments, root, peer, ranks_per_node)
+
+
+@lru_cache(maxsize=1024)
+def _build(family: str, collective: Collective, nranks: int, nsegments: int,
+           root: int | None, peer: int | None, ranks_per_node: int) -> Schedule:
     if family not in FAMILIES:
         raise ValueError(
             f"algorithm={family!r} is not an algorithm family; allowed: "
@@ -50,8 +68,9 @@ def build(
             f"algorithm={family!r} has no {collective.value} schedule; allowed for "
             f"{collective.value}: " + ", ".join(repr(n) for n in families_for(collective))
         )
+    nodes = {"ranks_per_node": ranks_per_node} if node_aware(family) else {}
     if collective in ROOTED:
-        return emit(nranks, root, nsegments)
+        return emit(nranks, root, nsegments, **nodes)
     if collective is Collective.SENDRECV:
         return emit(nranks, root, peer, nsegments)
-    return emit(nranks, nsegments)
+    return emit(nranks, nsegments, **nodes)

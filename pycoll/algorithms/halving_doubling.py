@@ -113,6 +113,8 @@ def _halving_rounds(b: ScheduleBuilder, survivors: Survivors, blocks_of: BlocksO
         # round: send the partner the half of my range that holds its blocks, reduce the other
         for v in range(survivors.power_of_two):
             partner = v ^ distance
+            if not (b.wants(survivors.rank(v)) or b.wants(survivors.rank(partner))):
+                continue  # costing one rank at scale: skip the others' transfers
             partner_half = partner & ~(distance - 1)
             _send_blocks(
                 b, survivors.rank(v), survivors.rank(partner),
@@ -129,6 +131,8 @@ def _doubling_rounds(b: ScheduleBuilder, survivors: Survivors, blocks_of: Blocks
         # round: swap the aligned range of blocks I hold with the partner's, doubling it
         for v in range(survivors.power_of_two):
             partner = v ^ distance
+            if not (b.wants(survivors.rank(v)) or b.wants(survivors.rank(partner))):
+                continue
             my_half = v & ~(distance - 1)
             _send_blocks(
                 b, survivors.rank(v), survivors.rank(partner),

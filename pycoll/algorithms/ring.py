@@ -39,22 +39,29 @@ from collections.abc import Callable
 from pycoll.schedule import Collective, Schedule, ScheduleBuilder
 
 
+def _senders(b: ScheduleBuilder) -> list[int]:
+    """The ranks whose ring link touches a rank being built (every rank, unless costing one
+    rank at scale: then the loops below skip the others' transfers instead of dropping them)."""
+    n = b.nranks
+    return [r for r in range(n) if b.wants(r) or b.wants((r + 1) % n)]
+
+
 def _reduce_scatter_rounds(b: ScheduleBuilder, segment: int) -> None:
     """p-1 rounds after which rank r holds block r of ``segment`` reduced over all ranks."""
-    nranks = b.nranks
+    nranks, senders = b.nranks, _senders(b)
     for k in range(nranks - 1):
         # round k: reduce the block from the previous rank into mine, pass it on
-        for r in range(nranks):
+        for r in senders:
             b.transfer(r, (r + 1) % nranks, b.chunk((r - k - 1) % nranks, segment), reduce=True)
         b.end_step()
 
 
 def _allgather_rounds(b: ScheduleBuilder, segment: int) -> None:
     """p-1 rounds that pass every rank's block r of ``segment`` around the ring."""
-    nranks = b.nranks
+    nranks, senders = b.nranks, _senders(b)
     for k in range(nranks - 1):
         # round k: pass on the block that arrived last round (my own in round 0)
-        for r in range(nranks):
+        for r in senders:
             b.transfer(r, (r + 1) % nranks, b.chunk((r - k) % nranks, segment))
         b.end_step()
 
