@@ -193,3 +193,39 @@ def test_auto_may_choose_hierarchical_in_a_run(monkeypatch, tmp_path):
     results = pycoll.run_local(8, run)
     assert {algorithm for algorithm, _ in results} == {"hierarchical"}
     assert all(np.array_equal(total, sum(xs)) for _, total in results)
+
+
+@pytest.mark.parametrize("nranks,per_node", [(4, 2), (6, 3)])
+def test_device_arrays_over_peer_memory_within_and_staged_messages_between(
+        monkeypatch, nranks, per_node):
+    """On the stand-in device (tests/fake_device.py): peer memory within a simulated node,
+    staged MPI between, under every hierarchical collective."""
+    from fake_device import FakeDevice, device_array, host_array
+
+    from pycoll import spaces
+
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", str(per_node))
+    fake = FakeDevice(seed=nranks)
+    spaces.register(fake)
+    try:
+        xs = inputs(nranks, 2 * nranks + 1, np.float32, "sum", 3)
+        counts = [len(xs[0]) // nranks + (r < len(xs[0]) % nranks) for r in range(nranks)]
+
+        shards = [xs[r][: counts[r]] for r in range(nranks)]
+
+        def every_collective():
+            rank = pycoll.world().rank
+            got = [call(c, device_array(shards[rank] if c is Collective.ALLGATHER
+                                        else xs[rank]), "sum", 1, counts)
+                   for c in hierarchical.SCHEDULES]
+            fake.synchronize()
+            return [None if g is None else host_array(g) for g in got]
+
+        results = pycoll.run_local(nranks, every_collective)
+    finally:
+        spaces.unregister(fake)
+    for rank, got in enumerate(results):
+        for collective, value in zip(hierarchical.SCHEDULES, got):
+            given = shards if collective is Collective.ALLGATHER else xs
+            want = expected(collective, given, "sum", 1, counts, rank)
+            assert (value is None) if want is None else np.array_equal(value, want), collective
