@@ -165,7 +165,7 @@ def test_nodes_of_the_in_process_world(monkeypatch):
 
 def test_auto_prices_two_link_classes_and_picks_hierarchical_where_the_network_is_slow():
     nvlink_ib = scaling.topology_named("nvlink-ib")  # 8 ranks per node, 9x slower between
-    plan = select.plan_for(Collective.ALLREDUCE, 256 << 20, 64, topology=nvlink_ib, itemsize=4)
+    plan = select.plan_for(Collective.ALLREDUCE, 256 << 20, 16, topology=nvlink_ib, itemsize=4)
     assert plan.algorithm == "hierarchical", plan.describe()
     one_node = select.plan_for(Collective.ALLREDUCE, 256 << 20, 8, topology=nvlink_ib,
                                itemsize=4)
