@@ -30,6 +30,13 @@ def test_the_checker_proves_every_node_layout(collective):
                                        ranks_per_node=per_node))
 
 
+def test_the_checker_proves_the_tree_variant():
+    for nranks, per_node in [(1, 1), (2, 1), (5, 1), (9, 3), (10, 2), (12, 4), *NODES]:
+        for nsegments in (1, 2):
+            check(algorithms.build("hierarchical_tree", Collective.ALLREDUCE, nranks,
+                                   nsegments, ranks_per_node=per_node))
+
+
 def test_a_layout_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match=r"ranks_per_node=4 does not divide the 6 ranks"):
         algorithms.build("hierarchical", Collective.ALLREDUCE, 6, ranks_per_node=4)
@@ -41,9 +48,10 @@ def inputs(nranks: int, count: int, dtype, op: str, seed: int) -> list[np.ndarra
     return [values[r].astype(dtype) for r in range(nranks)]
 
 
-def call(collective: Collective, x: np.ndarray, op: str, root: int, counts: list[int]):
+def call(collective: Collective, x: np.ndarray, op: str, root: int, counts: list[int],
+         algorithm: str = "hierarchical"):
     if collective is Collective.ALLREDUCE:
-        return pycoll.allreduce(x, op, algorithm="hierarchical")
+        return pycoll.allreduce(x, op, algorithm=algorithm)
     if collective is Collective.REDUCE_SCATTER:
         return pycoll.reduce_scatter(x, op, counts=counts, algorithm="hierarchical")
     if collective is Collective.ALLGATHER:
@@ -65,10 +73,13 @@ def expected(collective, xs, op, root, counts, rank):
     return oracle.reduce(xs, op, root) if rank == root else None
 
 
-@pytest.mark.parametrize("collective", list(hierarchical.SCHEDULES))
+@pytest.mark.parametrize("collective,algorithm", [
+    *[(c, "hierarchical") for c in hierarchical.SCHEDULES],
+    (Collective.ALLREDUCE, "hierarchical_tree"),
+])
 @pytest.mark.parametrize("nranks,per_node", NODES)
 def test_every_collective_equals_the_oracle_on_simulated_nodes(monkeypatch, nranks, per_node,
-                                                                collective):
+                                                                collective, algorithm):
     monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", str(per_node))
     cases = []
     for index, count in enumerate([0, 1, nranks + 1, 97]):
@@ -87,7 +98,8 @@ def test_every_collective_equals_the_oracle_on_simulated_nodes(monkeypatch, nran
     def every_case():
         rank = pycoll.world().rank
         assert pycoll.world().ranks_per_node == per_node
-        return [call(collective, xs[rank], op, root, counts) for op, _, root, counts, xs in cases]
+        return [call(collective, xs[rank], op, root, counts, algorithm)
+                for op, _, root, counts, xs in cases]
 
     results = pycoll.run_local(nranks, every_case)
     for rank, got in enumerate(results):
@@ -136,6 +148,39 @@ def test_counted_inter_node_bytes_equal_the_model(monkeypatch, nranks, per_node,
     flat = model.traffic(algorithms.build("ring", collective, nranks), count, per_node, 4)
     # the point of it: a flat ring's node-boundary ranks carry far more across the network
     assert max(h["inter"] for h in predicted) < max(f["inter"] for f in flat)
+
+
+@pytest.mark.parametrize("nranks,per_node", NODES)
+def test_the_tree_variant_trades_bytes_between_nodes_for_rounds(monkeypatch, nranks, per_node):
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", str(per_node))
+    count = 24 * nranks
+    x = np.ones(count, np.float32)
+
+    def counted():
+        comm = pycoll.world()
+        comm.traffic.reset()
+        pycoll.allreduce(x, algorithm="hierarchical_tree")
+        return dict(comm.traffic.bytes)
+
+    measured = pycoll.run_local(nranks, counted)
+    schedule = algorithms.build("hierarchical_tree", Collective.ALLREDUCE, nranks,
+                                ranks_per_node=per_node)
+    assert measured == model.traffic(schedule, count, per_node, itemsize=4)
+    nodes = nranks // per_node
+    depth = (nodes - 1).bit_length()  # ceil(log2 N)
+    assert max(m["inter"] for m in measured) <= depth * x.nbytes / per_node
+    assert len(check(schedule).rounds) == 2 * (per_node - 1) + 2 * depth
+
+
+def test_the_model_prices_the_tree_variants_fewer_rounds_and_more_bytes():
+    nvlink_ib = scaling.topology_named("nvlink-ib")  # 8 nodes of 8
+
+    def seconds(family: str, nbytes: int) -> float:
+        schedule = algorithms.build(family, Collective.ALLREDUCE, 64, ranks_per_node=8)
+        return model.predict(schedule, nbytes, nvlink_ib, itemsize=4).seconds
+
+    assert seconds("hierarchical_tree", 1 << 10) < seconds("hierarchical", 1 << 10)
+    assert seconds("hierarchical", 256 << 20) < seconds("hierarchical_tree", 256 << 20)
 
 
 def test_traffic_counts_messages_and_link_classes(monkeypatch):

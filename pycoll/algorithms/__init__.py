@@ -6,7 +6,7 @@ Every family module defines ``SCHEDULES``, a mapping from :class:`Collective` to
 * Broadcast and Reduce: ``f(nranks, root, nsegments=1) -> Schedule``
 * Send/Recv: ``f(nranks, src, dst, nsegments=1) -> Schedule``
 
-A family whose module sets ``NODE_AWARE = True`` (hierarchical) also takes
+A family whose module sets ``NODE_AWARE = True`` (hierarchical, hierarchical_tree) also takes
 ``ranks_per_node=``: the ranks form nodes of that many consecutive ranks (0: one node).
 """
 
@@ -15,7 +15,15 @@ from __future__ import annotations
 from functools import lru_cache
 from types import ModuleType
 
-from pycoll.algorithms import direct, halving_doubling, hierarchical, ring, tree, two_shot
+from pycoll.algorithms import (
+    direct,
+    halving_doubling,
+    hierarchical,
+    hierarchical_tree,
+    ring,
+    tree,
+    two_shot,
+)
 from pycoll.schedule import ROOTED, Collective, Schedule
 
 FAMILIES: dict[str, ModuleType] = {
@@ -25,6 +33,7 @@ FAMILIES: dict[str, ModuleType] = {
     "direct": direct,
     "two_shot": two_shot,
     "hierarchical": hierarchical,
+    "hierarchical_tree": hierarchical_tree,
 }
 
 

@@ -81,21 +81,23 @@ def _ring_rounds(b: ScheduleBuilder, groups: list[list[int]],
         b.end_step()
 
 
-def _binomial(b: ScheduleBuilder, groups: list[list[int]], reduce: bool) -> None:
-    """Binomial trees within every group at once, rooted at each group's first member:
-    towards the root when reducing, from it otherwise."""
+def _binomial(b: ScheduleBuilder, groups: list[list[int]], reduce: bool,
+              blocks: Callable[[int], Iterable[int]] = lambda group: (0,)) -> None:
+    """Binomial trees within every group at once, rooted at each group's first member,
+    carrying ``blocks(group)``: towards the root when reducing, from it otherwise."""
     size = len(groups[0])
     distances = []
     d = 1
     while d < size:
         distances.append(d)
         d *= 2
-    active = [members for members in groups if any(b.wants(m) for m in members)]
+    active = [(g, members) for g, members in enumerate(groups)
+              if any(b.wants(m) for m in members)]
     for d in distances if reduce else reversed(distances):
-        for members in active:
+        for g, members in active:
             for i in range(0, size - d, 2 * d):
                 near, far = members[i], members[i + d]
-                for chunk in b.chunks_of_block(0):
+                for chunk in (c for block in blocks(g) for c in b.chunks_of_block(block)):
                     if reduce:
                         b.transfer(far, near, chunk, reduce=True)
                     else:
