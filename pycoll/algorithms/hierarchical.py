@@ -105,24 +105,37 @@ def _binomial(b: ScheduleBuilder, groups: list[list[int]], reduce: bool,
         b.end_step()
 
 
-def allreduce_hierarchical(nranks: int, nsegments: int = 1, ranks_per_node: int = 0
-                           ) -> Schedule:
+def allreduce_two_level(family: str, nranks: int, nsegments: int, ranks_per_node: int,
+                        between: Callable[[ScheduleBuilder, list[list[int]], int], None]
+                        ) -> Schedule:
+    """An AllReduce over nodes: an intra-node ring ReduceScatter of the k parts (part i: the
+    N adjacent blocks iN..iN+N-1, to local rank i), then ``between(b, across, N)``, which must
+    leave every rank of local index i with part i summed over all ranks, then an intra-node
+    ring AllGather of the parts."""
     nodes, k = _nodes("allreduce", nranks, ranks_per_node)
-    b = ScheduleBuilder(Collective.ALLREDUCE, "hierarchical", nranks, nblocks=nranks,
+    b = ScheduleBuilder(Collective.ALLREDUCE, family, nranks, nblocks=nranks,
                         nsegments=nsegments)
     within, across = _groups(nodes, k)
 
-    def part(node: int, i: int) -> range:  # part i: its N pieces are adjacent blocks
+    def part(node: int, i: int) -> range:
         return range(i * nodes, (i + 1) * nodes)
 
-    def piece(i: int, m: int) -> tuple[int]:
-        return (i * nodes + m,)
-
     _ring_rounds(b, within, part, reduce=True)  # local rank i: part i summed over the node
-    _ring_rounds(b, across, piece, reduce=True)  # rank (m, i): piece m of part i, over all
-    _ring_rounds(b, across, piece, reduce=False)  # rank (m, i): all of part i
+    between(b, across, nodes)
     _ring_rounds(b, within, part, reduce=False)  # every rank: every part
     return b.build()
+
+
+def allreduce_hierarchical(nranks: int, nsegments: int = 1, ranks_per_node: int = 0
+                           ) -> Schedule:
+    def rings(b: ScheduleBuilder, across: list[list[int]], nodes: int) -> None:
+        def piece(i: int, m: int) -> tuple[int]:  # piece m of part i
+            return (i * nodes + m,)
+
+        _ring_rounds(b, across, piece, reduce=True)  # rank (m, i): piece m, over all
+        _ring_rounds(b, across, piece, reduce=False)  # rank (m, i): all of part i
+
+    return allreduce_two_level("hierarchical", nranks, nsegments, ranks_per_node, rings)
 
 
 def reduce_scatter_hierarchical(nranks: int, nsegments: int = 1, ranks_per_node: int = 0

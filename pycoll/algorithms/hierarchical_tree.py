@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pycoll.algorithms.hierarchical import _binomial, _groups, _nodes, _ring_rounds
+from pycoll.algorithms.hierarchical import _binomial, allreduce_two_level
 from pycoll.schedule import Collective, Schedule, ScheduleBuilder
 
 NODE_AWARE = True  # the emitters take ranks_per_node (see algorithms.build)
@@ -23,19 +23,14 @@ NODE_AWARE = True  # the emitters take ranks_per_node (see algorithms.build)
 
 def allreduce_hierarchical_tree(nranks: int, nsegments: int = 1, ranks_per_node: int = 0
                                 ) -> Schedule:
-    nodes, k = _nodes("allreduce", nranks, ranks_per_node)
-    b = ScheduleBuilder(Collective.ALLREDUCE, "hierarchical_tree", nranks, nblocks=nranks,
-                        nsegments=nsegments)
-    within, across = _groups(nodes, k)
+    def trees(b: ScheduleBuilder, across: list[list[int]], nodes: int) -> None:
+        def part(i: int) -> range:
+            return range(i * nodes, (i + 1) * nodes)
 
-    def part(i: int, *_: int) -> range:  # part i: N adjacent blocks
-        return range(i * nodes, (i + 1) * nodes)
+        _binomial(b, across, reduce=True, blocks=part)  # part i summed over all, on node 0
+        _binomial(b, across, reduce=False, blocks=part)  # and back to every node
 
-    _ring_rounds(b, within, lambda node, i: part(i), reduce=True)
-    _binomial(b, across, reduce=True, blocks=part)  # part i summed over all, on node 0
-    _binomial(b, across, reduce=False, blocks=part)  # and back to every node
-    _ring_rounds(b, within, lambda node, i: part(i), reduce=False)
-    return b.build()
+    return allreduce_two_level("hierarchical_tree", nranks, nsegments, ranks_per_node, trees)
 
 
 SCHEDULES: dict[Collective, Callable[..., Schedule]] = {
