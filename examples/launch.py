@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import pycoll
+from pycoll.schedule import split as shares  # noqa: F401 - even shares, first ranks +1
 
 
 @dataclass
@@ -77,11 +78,6 @@ def main(name: str, on_rank: Callable[[argparse.Namespace], Report],
     if pycoll.world().rank == 0:
         print("\n".join(lines), flush=True)
     return passed
-
-
-def shares(total: int, nranks: int) -> list[int]:
-    """``total`` items split over ``nranks`` as evenly as can be, the first ranks one more."""
-    return [total // nranks + (r < total % nranks) for r in range(nranks)]
 
 
 def offsets(counts: Sequence[int]) -> list[int]:

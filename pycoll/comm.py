@@ -352,11 +352,9 @@ class Communicator:
         else:
             access = host.world.shared.setdefault(("peer access", space.name), SameProcessAccess())
         # Threads share memory, so every peer is mappable; PYCOLL_RANKS_PER_NODE pretends
-        # otherwise, to run the between-node path (and the routing) in one process.
-        per_node = _ranks_per_node(self.size)
-        nodes = [rank // per_node for rank in everyone]
+        # otherwise (self.nodes()), to run the between-node path and the routing in one process.
         return _route(
-            self.rank, nodes, _device_transport_mode(),
+            self.rank, self.nodes(), _device_transport_mode(),
             lambda local: PeerMemoryTransport(
                 space, access, host.subgroup(everyone, channel + "/credits"),
                 host.subgroup(everyone, channel + "/notices"), peers=local,

@@ -82,10 +82,11 @@ class Topology:
         per_byte = _interpolate(self.delta_curve, nbytes) if self.delta_curve else self.delta
         return per_byte * nbytes
 
+    def same_node(self, a: int, b: int) -> bool:
+        return self.ranks_per_node <= 0 or a // self.ranks_per_node == b // self.ranks_per_node
+
     def link(self, a: int, b: int) -> Link:
-        if self.ranks_per_node <= 0 or a // self.ranks_per_node == b // self.ranks_per_node:
-            return self.intra
-        return self.inter
+        return self.intra if self.same_node(a, b) else self.inter
 
     def with_curves(self) -> Topology:
         """These costs ready to play: the measured curves attached where they are read, per
@@ -197,13 +198,13 @@ def traffic(schedule: Schedule, count: int, ranks_per_node: int, itemsize: int =
     """The bytes each rank sends within its node (``intra``) and to other nodes (``inter``)
     in a call of ``count`` elements: read from the same compiled programs the model plays
     (what ``comm.traffic`` counts when the call runs)."""
-    k = ranks_per_node or schedule.nranks
+    layout = Topology(ranks_per_node=ranks_per_node)
     sent = []
     for rank, program in enumerate(programs(schedule, count)):
         mine = {"intra": 0, "inter": 0}
         for _, transmits in program.steps:
             for t in transmits:
-                link = "intra" if t.peer // k == rank // k else "inter"
+                link = "intra" if layout.same_node(rank, t.peer) else "inter"
                 mine[link] += (t.stop - t.start) * itemsize
         sent.append(mine)
     return sent
