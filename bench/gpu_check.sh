@@ -12,6 +12,10 @@ out=${OUT:-bench/results/gpu-raw}
 mkdir -p "$out"
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+# One deadline for the whole script: each step's timeout is its own cap or what is left,
+# whichever is smaller, so a hanging step cannot push the later ones past 8 minutes.
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-450}))
+within() { local left=$((deadline - SECONDS)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 
 {
   echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -41,12 +45,12 @@ export PYTHONSAFEPATH=1  # every python, MPI ranks too: the source tree must not
   } 2>&1 | tee -a "$out/environment.txt"
 
 # 1. The GPU tests (they skip only where no GPU is found; here none should skip).
-timeout 240 "$python" -P -m pytest -q -rs -p no:cacheprovider tests/test_kernels_cuda.py \
+timeout "$(within 200)" "$python" -P -m pytest -q -rs -p no:cacheprovider tests/test_kernels_cuda.py \
   tests/test_gpu_collectives.py 2>&1 | tee "$out/gpu-tests.txt"
 tests_status=${PIPESTATUS[0]}
 
 # 2. Each kernel's bandwidth (bytes read + written) against device copy and CuPy's add.
-timeout 200 "$python" -P -m pycoll bench kernels -b 1M -e 1G -f 4 -d float32,bfloat16 \
+timeout "$(within 150)" "$python" -P -m pycoll bench kernels -b 1M -e 1G -f 4 -d float32,bfloat16 \
   --backend cupy,numba --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt"
 bench_status=${PIPESTATUS[0]}
 
@@ -55,7 +59,7 @@ collectives_status=0
 : > "$out/collectives.txt"
 for ranks in 2 4; do
   for collective in allreduce reduce_scatter allgather; do
-    timeout 60 mpiexec -n "$ranks" "$python" -P -m pycoll bench "$collective" --device cuda \
+    timeout "$(within 45)" mpiexec -n "$ranks" "$python" -P -m pycoll bench "$collective" --device cuda \
       --algorithm all -b 64K -e 64M -f 4 -n 10 -w 3 --check 1 \
       --json "$out/$collective-$ranks.json" 2>&1 | tee -a "$out/collectives.txt"
     status=${PIPESTATUS[0]}

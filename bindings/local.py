@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,10 @@ class LocalWorld:
         # (rank, thread) -> the request it is blocked on (a rank's async collectives wait on
         # threads of their own)
         self._waiting: dict[tuple[int, int], _Request] = {}
-        self.async_running = 0  # async collectives in flight: a rank may have other threads
+        # Threads that can still post besides each live rank's own: async workers with work
+        # queued. Threads parked in Work.wait() can post nothing until that work finishes.
+        self.busy_workers = 0
+        self._parked: dict[tuple[int, int], tuple[str, list]] = {}  # -> (what, its futures)
         self._finished: set[int] = set()
         self.failure: BaseException | None = None
         self.failed_rank: int | None = None
@@ -153,16 +157,35 @@ class LocalWorld:
                     del self._waiting[me]
             self._raise_if_failed(rank)
 
+    @contextmanager
+    def parked(self, rank: int, what: str, futures: list) -> Iterator[None]:
+        """Rank ``rank``'s thread blocks on its own async work (``what``: ``futures``) meanwhile;
+        it counts as blocked while any of them is unfinished."""
+        me = (rank, threading.get_ident())
+        with self._lock:
+            self._parked[me] = (what, futures)
+            self._wake_everyone()  # the last thread to block lets the waiters judge
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._parked[me]
+
     def _nobody_can_progress(self) -> bool:
-        live = self.nranks - len(self._finished)
-        if self.async_running:  # another thread of a waiting rank may still post: no verdict
-            return False
-        return len(self._waiting) == live and not any(r._done for r in self._waiting.values())
+        """Every thread that could post blocks: each live rank's own (in a wait or parked on
+        its async work) and every busy async worker, and no awaited message has completed."""
+        threads = self.nranks - len(self._finished) + self.busy_workers
+        blocked = len(self._waiting) + sum(
+            not all(f.done() for f in futures) for _, futures in self._parked.values()
+        )
+        return blocked == threads and not any(r._done for r in self._waiting.values())
 
     def _report_deadlock(self) -> None:
         waits = "; ".join(
-            f"rank {rank} waits to {request.describe()}"
-            for (rank, _), request in sorted(self._waiting.items())
+            [f"rank {rank} waits to {request.describe()}"
+             for (rank, _), request in sorted(self._waiting.items())]
+            + [f"rank {rank} waits for its {what}"
+               for (rank, _), (what, _) in sorted(self._parked.items())]
         )
         done = sorted(self._finished)
         error = Deadlock(

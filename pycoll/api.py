@@ -326,22 +326,38 @@ def alltoallv(
     send_counts = _counts(send_counts, rows, comm.size, "alltoallv", "len(x)", "send_counts")
     if recv_counts is not None:
         recv_counts = _counts(recv_counts, None, comm.size, "alltoallv", "", "recv_counts")
-    # Every rank learns every rank's counts, so that every rank reports the same mismatch.
-    mine = np.array(send_counts + (recv_counts or [-1] * comm.size), np.int64)
-    table = allgather(mine, comm=comm, algorithm="direct").reshape(comm.size, 2, comm.size)
-    sent, expected = table[:, 0, :], table[:, 1, :]
-    for dst in range(comm.size):
-        for src in range(comm.size):
-            if expected[dst, 0] >= 0 and expected[dst, src] != sent[src, dst]:
-                raise ValueError(
-                    f"alltoallv: rank {src} sends {sent[src, dst]} rows to rank {dst} "
-                    f"(its send_counts[{dst}]) but rank {dst} expects {expected[dst, src]} "
-                    f"(its recv_counts[{src}]); the counts must agree between peers"
-                )
-    arrived = [int(c) for c in sent[:, comm.rank]]
+    arrived = _exchange_counts(comm, send_counts, recv_counts)
     with space.using(stream):
         out = space.empty((sum(arrived), *x.shape[1:]), x.dtype)
         return _alltoallv(x, send_counts, arrived, out, comm)
+
+
+def _exchange_counts(comm: Communicator, send_counts: list[int],
+                     recv_counts: list[int] | None) -> list[int]:
+    """The rows each rank sends to this one, by an AllToAll of (count, checking) pairs: O(p)
+    per rank. Where any rank gave ``recv_counts`` (every rank learns whether one did), the
+    first disagreeing pair is agreed by a MIN AllReduce, so every rank raises the same error
+    and none waits in the data exchange for a rank that raised."""
+    checking = recv_counts is not None
+    pairs = np.array([[count, checking] for count in send_counts], np.int64).reshape(-1)
+    table = alltoall(pairs, comm=comm).reshape(comm.size, 2)
+    arrived = [int(c) for c in table[:, 0]]
+    if not table[:, 1].any():
+        return arrived
+    mine = [src for src in range(comm.size) if checking and recv_counts[src] != arrived[src]]
+    none = comm.size * comm.size
+    first = allreduce(np.array([comm.rank * comm.size + mine[0] if mine else none], np.int64),
+                      "min", comm=comm)
+    if int(first[0]) == none:
+        return arrived
+    dst, src = divmod(int(first[0]), comm.size)
+    pair = np.array([arrived[src], recv_counts[src]] if comm.rank == dst else [0, 0], np.int64)
+    sent, expected = broadcast(pair, dst, comm=comm)
+    raise ValueError(
+        f"alltoallv: rank {src} sends {sent} rows to rank {dst} (its send_counts[{dst}]) but "
+        f"rank {dst} expects {expected} (its recv_counts[{src}]); the counts must agree "
+        "between peers"
+    )
 
 
 def _alltoallv(x, send_counts, recv_counts, out, comm) -> np.ndarray:

@@ -91,7 +91,8 @@ class Communicator:
                     f"default); this process has thread level {MPI.Query_thread()}"
                 )
         if self.queue is None:
-            self.queue = AsyncQueue(getattr(self.transport, "world", None))
+            world = getattr(self.transport, "world", None)  # in-process only
+            self.queue = AsyncQueue(world, getattr(self.transport, "world_rank", 0))
         return self.queue.submit(fn, what, *args, **kwargs)
 
     @property

@@ -11,6 +11,7 @@ read and the input may not be changed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,8 +21,8 @@ from typing import Any
 class Work:
     """A collective in flight (as ``torch.distributed``'s ``Work``)."""
 
-    def __init__(self, future: Future, what: str):
-        self._future, self._what = future, what
+    def __init__(self, future: Future, what: str, parked: Callable[[str, list[Future]], Any]):
+        self._future, self._what, self._parked = future, what, parked
 
     def done(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks."""
@@ -30,7 +31,8 @@ class Work:
     def wait(self) -> Any:
         """Block until the collective has finished; return its result (what the blocking call
         returns), or raise what it raised."""
-        return self._future.result()
+        with self._parked(self._what, [self._future]):
+            return self._future.result()
 
     def __repr__(self) -> str:
         return f"Work({self._what}, {'done' if self.done() else 'in flight'})"
@@ -39,10 +41,13 @@ class Work:
 class AsyncQueue:
     """One communicator's worker: async collectives run here, in call order."""
 
-    def __init__(self, world: Any = None):
+    def __init__(self, world: Any = None, rank: int = 0):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pycoll-async")
         self._in_flight: list[Future] = []
-        self._world = world  # in-process: told while work runs (its deadlock verdicts pause)
+        # In-process: the world learns when this worker is busy and when the rank's thread
+        # blocks on it, so that its deadlock verdicts count every thread that could post.
+        self._world, self._rank = world, rank
+        self._queued = 0
         self.worker: int | None = None  # the worker thread's ident
 
     def submit(self, fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Work:
@@ -51,25 +56,32 @@ class AsyncQueue:
             return fn(*args, **kwargs)
 
         if self._world is not None:
-            with self._world._lock:
-                self._world.async_running += 1
+            self._count(+1)
         future = self._executor.submit(job)
         if self._world is not None:
-            future.add_done_callback(self._finished)
+            future.add_done_callback(lambda _: self._count(-1))
         self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
-        return Work(future, what)
+        return Work(future, what, self._parked)
 
-    def _finished(self, _: Future) -> None:
+    def _count(self, change: int) -> None:
         with self._world._lock:
-            self._world.async_running -= 1
+            self._queued += change
+            if self._queued == (1 if change > 0 else 0):
+                self._world.busy_workers += change
+
+    def _parked(self, what: str, futures: list[Future]) -> Any:
+        if self._world is None or threading.get_ident() == self.worker:
+            return contextlib.nullcontext()
+        return self._world.parked(self._rank, what, futures)
 
     def drain(self) -> None:
         """Wait (without raising) until every queued collective has finished; a no-op on the
         worker itself."""
         if threading.get_ident() == self.worker:
             return
-        for future in self._in_flight:
-            future.exception()  # waits; the error belongs to that collective's wait()
+        with self._parked("queued async collectives", self._in_flight):
+            for future in self._in_flight:
+                future.exception()  # waits; the error belongs to that collective's wait()
         self._in_flight = []
 
     @property

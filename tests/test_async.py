@@ -3,6 +3,8 @@ and both results are right; one communicator keeps its order; errors come from w
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from conftest import exact_input
@@ -88,3 +90,48 @@ def test_bad_input_is_raised_by_wait():
 
     for result in run(2, body):
         np.testing.assert_array_equal(result, np.full(3, 2.0))
+
+
+def test_a_deadlock_through_async_work_is_reported_at_once(monkeypatch):
+    """Rank 0 waits on its async AllReduce; rank 1 waits to receive what rank 0 never sends:
+    every thread that could post is blocked, so Deadlock (naming both) comes at once, not after
+    PYCOLL_TIMEOUT."""
+    monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
+
+    def body(rank):
+        if rank == 0:
+            pycoll.allreduce(np.ones(4), algorithm="ring", async_op=True).wait()
+        else:
+            pycoll.recv(np.empty(4), 0)
+
+    started = time.monotonic()
+    with pytest.raises((pycoll.Deadlock, pycoll.PeerFailed), match="deadlock") as caught:
+        run(2, body)
+    assert time.monotonic() - started < 10
+    assert "rank 0 waits for its allreduce" in str(caught.value)
+    assert "rank 1 waits to receive from rank 0" in str(caught.value)
+
+
+@pytest.mark.parametrize("park", ["wait", "drain"])
+def test_a_rank_busy_beside_its_async_work_is_no_deadlock(park):
+    """While rank 0 computes (not in any wait) beside its async AllReduce, rank 1 waits for a
+    message rank 0 has yet to send (on a second communicator, which need not wait for the
+    first's queue): no verdict; the program completes."""
+    def body(rank):
+        x = np.full(4, rank + 1.0)
+        other = pycoll.world().split(0)
+        if rank == 0:
+            work = pycoll.allreduce(x, async_op=True)
+            time.sleep(1.5)  # the others are blocked all this time
+            pycoll.send(np.arange(4.0), 1, comm=other)
+            result = work.wait() if park == "wait" else pycoll.allreduce(x)  # drains first
+        else:
+            got = pycoll.recv(np.empty(4), 0, comm=other)
+            result = pycoll.allreduce(x)
+            if park == "drain":
+                result = pycoll.allreduce(x)
+            np.testing.assert_array_equal(got, np.arange(4.0))
+        return result
+
+    for result in run(2, body):
+        np.testing.assert_array_equal(result, np.full(4, 3.0))

@@ -162,6 +162,21 @@ def test_alltoallv_uneven_and_empty(nranks):
         np.testing.assert_array_equal(result, want)
 
 
+@pytest.mark.parametrize("given", [False, True])
+@pytest.mark.parametrize("nranks", [1, 2, 5, 16])
+def test_alltoallv_counts_exchange_is_linear_in_ranks(nranks, given):
+    """Learning the counts sends one (count, checking) pair to each peer, plus, where
+    recv_counts are given, one small AllReduce: no rank moves a table of every rank's counts."""
+    def body():
+        comm = pycoll.world()
+        comm.traffic.reset()
+        pycoll.alltoallv(np.zeros(0, np.int8), [0] * nranks, [0] * nranks if given else None)
+        return sum(comm.traffic.bytes.values())
+
+    for moved in pycoll.run_local(nranks, body):
+        assert moved <= 16 * (nranks - 1) + (8 * 2 * (nranks - 1) if given else 0)
+
+
 @pytest.mark.parametrize("nranks", [2, 3, 5])
 @pytest.mark.parametrize("count", [0, 1, 1000])
 def test_send_recv(nranks, count):

@@ -166,6 +166,27 @@ def test_alltoallv_counts_that_disagree_fail_on_every_rank():
         )
 
 
+@pytest.mark.parametrize("nranks", [2, 3, 5])
+def test_alltoallv_every_rank_names_the_first_disagreement(nranks):
+    """Only some ranks give recv_counts, several pairs disagree: every rank raises for the
+    first (receiver, sender) pair, and no rank waits in the data exchange."""
+    def call(rank):
+        send_counts = [1] * nranks
+        recv_counts = [1] * nranks
+        if rank == nranks - 1:
+            recv_counts[0] = 3  # the first disagreeing pair: rank 0 -> rank nranks-1
+        if rank == nranks - 1 or rank % 2:
+            pycoll.alltoallv(np.arange(nranks), send_counts, recv_counts)
+        else:
+            send_counts[-1] = 0 if rank else 1  # rank 0 sends 1 as expected; others send 0
+            pycoll.alltoallv(np.arange(sum(send_counts)), send_counts)
+
+    want = (f"rank 0 sends 1 rows to rank {nranks - 1} (its send_counts[{nranks - 1}]) but "
+            f"rank {nranks - 1} expects 3")
+    for error in every_rank(nranks, call):
+        assert isinstance(error, ValueError) and want in str(error), error
+
+
 def test_one_rank_raising_releases_the_others():
     def body():
         rank = pycoll.world().rank
