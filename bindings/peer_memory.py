@@ -5,13 +5,18 @@ The protocol, NCCL's default in spirit: each rank owns one registered receive bu
 
 1. ``irecv``: the receiver claims a slot of its inbox for this step, records its event (so
    that everything it already read from the inbox is ordered before the slot is written
-   again), and sends the sender a *credit*: the inbox's handle, the slot's offset and size.
-2. ``waitall``, sends first: for each credit, the sender opens the inbox (once per inbox),
-   orders its stream after the receiver's event, copies its data into the slot, records its
-   own event and sends a *notice*.
+   again), and sends the sender a *credit*: the inbox's handle, its event's handle, the
+   slot's offset and size.
+2. ``waitall``, sends first: for each credit, the sender opens the inbox (once per inbox)
+   and the event (once per peer), orders its stream after the receiver's event, copies its
+   data into the slot, records its own event and sends a *notice* (with its event's handle).
 3. ``waitall``, receives: on each notice, the receiver orders its stream after the sender's
    event and copies the slot into place, or reduces it into place (``combine``), the fused
    read-reduce the executor asks for.
+
+Making an endpoint exchanges nothing (handles travel in the first credit and notice), so
+two ranks can start talking without the rest of the group: Send/Recv's endpoints are made
+by the pair alone.
 
 Control messages are small host messages on two channels (credits, notices); all GPU work
 is ordered by events on each rank's current stream, never by host synchronisation, so the
@@ -20,7 +25,9 @@ Credits are posted before anyone waits, so no rank waits for a message that wait
 
 One event per rank serves every purpose: a stream waits on the event's latest record at the
 time of the wait, which is at or after the record the protocol needs, and every record that a
-wait names was issued before that wait, so waits cannot form a cycle.
+wait names was issued before that wait, so waits cannot form a cycle. "At or after" needs the
+records in one order: when a call comes on another stream than the last, the new stream
+first waits for the old one's work (the records the peers may still be waiting on).
 
 Inboxes only grow; an outgrown inbox stays alive until :meth:`close`, because peers may still
 have it mapped (freeing memory another process has open is undefined behaviour).
@@ -37,8 +44,9 @@ import numpy as np
 
 HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t are 64 bytes
 _HANDLE_WORDS = HANDLE_BYTES // 8
-# credit: inbox handle, capacity, offset, bytes
-_CREDIT_WORDS = _HANDLE_WORDS + 3
+# credit: inbox handle, event handle, capacity, offset, bytes; notice: bytes, event handle
+_CREDIT_WORDS = 2 * _HANDLE_WORDS + 3
+_NOTICE_WORDS = 1 + _HANDLE_WORDS
 
 
 class PeerAccess(Protocol):
@@ -110,7 +118,7 @@ class _Incoming:
         self.inbox, self.offset, self.combine = inbox, offset, combine
         self.credit = np.zeros(_CREDIT_WORDS, np.int64)
         self.credit_request = None
-        self.notice = np.zeros(1, np.int64)
+        self.notice = np.zeros(_NOTICE_WORDS, np.int64)
         self.notice_request = None
         self.delivered = False
 
@@ -127,7 +135,8 @@ class PeerMemoryTransport:
 
     ``space``: the device space (allocate, view, copy, events on the current stream);
     ``access``: how handles are exported and opened; ``credits`` and ``notices``: two host
-    transports of the same group, used for the small control messages only.
+    transports of the same group, used for the small control messages only; ``peers``: the
+    ranks it serves (one node's, under MPI), for the record.
     """
 
     delivers = True  # irecv takes ``combine``: the reduction reads the inbox directly
@@ -139,34 +148,37 @@ class PeerMemoryTransport:
         self.space, self.access = space, access
         self.credits, self.notices = credits, notices
         self.rank, self.size = credits.rank, credits.size
-        # the ranks this endpoint serves (one node's, under MPI); the others are not mapped
         self.peers = list(range(self.size)) if peers is None else sorted(peers)
         self._inboxes: list[_Inbox] = []
         self._used = 0  # bytes of the newest inbox claimed in the current step
         self._mapped: dict[tuple[int, bytes], Any] = {}  # (peer, handle) -> opened inbox
         self._event = space.new_event()
-        self._peer_events = self._exchange_events()
+        self._event_words = _words(access.export_event(self._event))
+        self._peer_events: dict[int, Any] = {}  # peer -> its event, opened on first message
+        self._stream: Any = None  # the stream of the latest call
 
-    def _exchange_events(self) -> list[Any]:
-        """Every rank's event handle, opened (None for this rank's own)."""
-        mine = _words(self.access.export_event(self._event))
-        handles = [np.empty(_HANDLE_WORDS, np.int64) for _ in range(self.size)]
-        requests = []
-        for peer in self.peers:
-            if peer != self.rank:
-                requests.append(self.credits.irecv(handles[peer], peer, 0))
-                requests.append(self.credits.isend(mine, peer, 0))
-        self.credits.waitall(requests)
-        return [
-            self.access.open_event(handles[peer].tobytes())
-            if peer in self.peers and peer != self.rank
-            else None
-            for peer in range(self.size)
-        ]
+    def _on_current_stream(self) -> None:
+        """Order the current stream after the previous call's, when they differ."""
+        stream = self.space.current_stream()
+        previous = self._stream
+        if previous is not None and getattr(previous, "ptr", previous) != getattr(
+            stream, "ptr", stream
+        ):
+            with self.space.using(previous):
+                self.space.record(self._event)  # after all of this endpoint's work there
+            self.space.wait(self._event)
+        self._stream = stream
+
+    def _peer_event(self, peer: int, words: np.ndarray) -> Any:
+        event = self._peer_events.get(peer)
+        if event is None:
+            event = self._peer_events[peer] = self.access.open_event(words.tobytes())
+        return event
 
     # -- the two-sided interface
 
     def isend(self, buf: Any, peer: int, tag: int) -> _Outgoing:
+        self._on_current_stream()
         request = _Outgoing(buf, peer, tag)
         request.credit_request = self.credits.irecv(request.credit, peer, tag)
         return request
@@ -174,11 +186,13 @@ class PeerMemoryTransport:
     def irecv(
         self, buf: Any, peer: int, tag: int, combine: Callable[[Any], None] | None = None
     ) -> _Incoming:
+        self._on_current_stream()
         inbox, offset = self._claim(buf.nbytes)
         request = _Incoming(buf, peer, tag, inbox, offset, combine)
         self.space.record(self._event)  # the slot's earlier readers, before its next writer
         request.credit[:_HANDLE_WORDS] = _words(inbox.handle)
-        request.credit[_HANDLE_WORDS:] = (inbox.capacity, offset, buf.nbytes)
+        request.credit[_HANDLE_WORDS : 2 * _HANDLE_WORDS] = self._event_words
+        request.credit[2 * _HANDLE_WORDS :] = (inbox.capacity, offset, buf.nbytes)
         request.credit_request = self.credits.isend(request.credit, peer, tag)
         request.notice_request = self.notices.irecv(request.notice, peer, tag)
         return request
@@ -218,7 +232,7 @@ class PeerMemoryTransport:
     def _write(self, r: _Outgoing) -> None:
         credit = r.credit
         handle = credit[:_HANDLE_WORDS].tobytes()
-        capacity, offset, nbytes = (int(v) for v in credit[_HANDLE_WORDS:])
+        capacity, offset, nbytes = (int(v) for v in credit[2 * _HANDLE_WORDS :])
         if nbytes != r.buf.nbytes:
             raise ValueError(
                 f"rank {self.rank} sends {r.buf.nbytes} bytes to rank {r.peer}, which expects "
@@ -229,14 +243,17 @@ class PeerMemoryTransport:
         if inbox is None:
             inbox = self._mapped[key] = self.access.open(handle, capacity)
         target = self.space.view(inbox, offset, r.buf.size, r.buf.dtype)
-        self.space.wait(self._peer_events[r.peer])  # the slot's previous reads are done
+        # the slot's previous reads are done
+        self.space.wait(self._peer_event(r.peer, credit[_HANDLE_WORDS : 2 * _HANDLE_WORDS]))
         self.space.copy(target, r.buf.reshape(-1))
         self.space.record(self._event)
-        r.notice_request = self.notices.isend(np.array([nbytes], np.int64), r.peer, r.tag)
+        notice = np.concatenate([[nbytes], self._event_words])
+        r.notice_request = self.notices.isend(notice, r.peer, r.tag)
 
     def _deliver(self, r: _Incoming) -> None:
         incoming = self.space.view(r.inbox.allocation, r.offset, r.buf.size, r.buf.dtype)
-        self.space.wait(self._peer_events[r.peer])  # the sender's copy into the slot is done
+        # the sender's copy into the slot is done
+        self.space.wait(self._peer_event(r.peer, r.notice[1:]))
         if r.combine is None:
             self.space.copy(r.buf, incoming.reshape(r.buf.shape))
         else:
@@ -244,16 +261,22 @@ class PeerMemoryTransport:
         r.delivered = True
 
     def close(self) -> None:
-        """Unmap peers' inboxes; the caller then synchronises the group before peers free
-        theirs (an inbox must outlive every mapping of it)."""
+        """Wait for this endpoint's queued work (copies into peers' inboxes, reads of its
+        own), then unmap peers' inboxes and events; the caller then synchronises the group
+        before peers free theirs (an inbox must outlive every mapping of it and every copy
+        into it)."""
+        if self._stream is not None:  # calls on other streams were ordered before this one
+            with self.space.using(self._stream):
+                self.space.synchronize()
         for opened in self._mapped.values():
             self.access.close(opened)
         self._mapped.clear()
-        for event in self._peer_events:
-            if event is not None:
-                self.access.close_event(event)
-        self._peer_events = []
+        for event in self._peer_events.values():
+            self.access.close_event(event)
+        self._peer_events.clear()
 
     def release(self) -> None:
         """Free this rank's inboxes: only after every peer has closed its mappings."""
+        for inbox in self._inboxes:
+            self.space.free(inbox.allocation)
         self._inboxes.clear()

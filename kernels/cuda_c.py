@@ -49,7 +49,9 @@ KERNEL_DIR = Path(__file__).resolve().parent
 # CuPy adds -ftz=true itself; common.cuh's float32 helpers are written to be immune to it.
 OPTIONS: tuple[str, ...] = ("--std=c++17",)
 THREADS = 256
-BLOCKS_PER_SM = 4
+# Grid cap, as the Numba kernels': blocks past what an SM holds wait their turn, so a large
+# cap costs nothing and keeps every SM full of warps (bandwidth needs bytes in flight).
+BLOCKS_PER_SM = 32
 
 # reduce_n's pointer pack: struct Sources<T> { const T* ptr[16]; }, passed by value.
 _SOURCES_DTYPE = np.dtype([("ptr", np.uint64, (table.MAX_SOURCES,))])

@@ -52,6 +52,12 @@ from .host import ReduceOp, check_op_for_dtype
 
 __all__ = ["NumbaKernels", "python_kernel", "signature", "simulator_enabled"]
 
+# Default grid cap. Scalar loads keep few bytes in flight per thread, so bandwidth needs
+# every SM full of warps (an H200: 132 SMs of up to 2048 threads each).
+BLOCKS_PER_SM = 32
+# The simulator runs one Python thread per CUDA thread: its grid must stay tiny.
+SIM_MAX_BLOCKS = 4
+
 _BF16 = table.gpu_dtype("bfloat16").dtype
 _F16 = np.dtype(np.float16)
 
@@ -285,8 +291,8 @@ class NumbaKernels:
 
     ``stream``: a CuPy stream (anything with ``.ptr``) or a Numba stream to launch on;
     None launches on CuPy's current stream when CuPy is installed, else Numba's default
-    stream. ``threads`` per block; ``max_blocks`` caps the grid (default: 4 per SM), the
-    grid-stride loops cover the rest.
+    stream. ``threads`` per block; ``max_blocks`` caps the grid (default: ``BLOCKS_PER_SM``
+    per SM; ``SIM_MAX_BLOCKS`` under the simulator), the grid-stride loops cover the rest.
     """
 
     def __init__(
@@ -308,10 +314,13 @@ class NumbaKernels:
 
     def _grid(self, n: int) -> int:
         if self._max_blocks is None:
-            from numba import cuda
+            if self._sim:
+                self._max_blocks = SIM_MAX_BLOCKS
+            else:
+                from numba import cuda
 
-            sms = 1 if self._sim else cuda.get_current_device().MULTIPROCESSOR_COUNT
-            self._max_blocks = 4 * sms
+                sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+                self._max_blocks = BLOCKS_PER_SM * sms
         return max(1, min(math.ceil(n / self._threads), self._max_blocks))
 
     def _launch_stream(self) -> Any:

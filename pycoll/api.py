@@ -653,8 +653,9 @@ def _run(
         source, original = comm.buffer("input", source.size, source.dtype, space), source
         space.copy(source, original)
     tag = comm.next_tag() if tag is None else tag
-    if space.is_device:
-        transport = comm.device_transport(space, p2p)
+    if space.is_device:  # Send/Recv: the endpoint to the one other rank of the pair
+        transport = comm.device_transport(space, (root if peer == comm.rank else peer)
+                                          if p2p else None)
     else:
         transport = comm.p2p if p2p else comm.host_transport()
     scratch = None

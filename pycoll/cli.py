@@ -285,11 +285,16 @@ def _bench_kernels(args: argparse.Namespace) -> int:
                             args.step_factor)
         dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
         backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-        rows = bench_kernels.run(sizes, dtypes, backends, args.op)
+        # Each row is printed (and the JSON rewritten) as measured: a killed run keeps them.
+        rows = bench_kernels.run(sizes, dtypes, backends, args.op,
+                                 on_row=bench_kernels.stream_rows(args.json))
     except (ValueError, TypeError, RuntimeError) as error:
         print(f"pycoll bench kernels: {error}", file=sys.stderr)
         return 2
-    print(bench_kernels.format_table(rows), flush=True)
-    if args.json:
-        bench_kernels.write_json(rows, args.json)
+    if args.json == "-":
+        bench_kernels.write_json(rows, "-")
+    failed = sorted({f"{r.kernel}/{r.backend}" for r in rows if r.error is not None})
+    if failed:
+        print(f"pycoll bench kernels: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0

@@ -109,21 +109,11 @@ class Communicator:
 
     def _apply_timeout(self) -> None:
         """Give every host endpoint (and those behind routes) this communicator's deadline."""
-        pending = [self.transport, self.p2p, getattr(self, "_host", None),
-                   getattr(self, "_shared", None),
-                   *getattr(self, "_device_transports", {}).values()]
-        seen: set[int] = set()
-        while pending:
-            endpoint = pending.pop()
-            if endpoint is None or id(endpoint) in seen:
-                continue
-            seen.add(id(endpoint))
+        tops = [self.transport, self.p2p, getattr(self, "_host", None),
+                getattr(self, "_shared", None), *getattr(self, "_device_transports", {}).values()]
+        for endpoint in _reachable(*tops):
             if hasattr(endpoint, "timeout"):
                 endpoint.timeout = self._timeout
-            # device endpoints wait through host ones: routes, MPI behind staging, the
-            # credits and notices of peer memory
-            pending += [getattr(endpoint, inner, None) for inner in ("host", "credits", "notices")]
-            pending += list(getattr(endpoint, "routes", ()))
 
     def nodes(self) -> list[int]:
         """Each rank's node number (0 upward in order of the nodes' lowest ranks): ranks that
@@ -281,24 +271,53 @@ class Communicator:
                                                         else count), dtype)
         return kept[:count]
 
-    def device_transport(self, space: Any, p2p: bool = False) -> Any:
+    def device_transport(self, space: Any, peer: int | None = None) -> Any:
         """The endpoint that moves ``space``'s (device) arrays, made on first use.
 
-        Every rank makes it at the same call (its first device collective), since making it
-        exchanges handles. In-process ranks map each other's memory directly; MPI ranks use
-        CUDA IPC within a node and MPI between nodes (``PYCOLL_DEVICE_TRANSPORT=auto|ipc|
-        staged`` forces one; ``staged`` runs MPI even within a node).
+        For collectives (``peer`` None), every rank makes it at the same call (its first
+        device collective), since making it takes collective steps (duplicating MPI
+        communicators). Send/Recv's endpoint to ``peer`` is made by the two ranks alone, on
+        their first message (as torch.distributed makes a NCCL communicator per pair): the
+        other ranks are not in that call. In-process ranks map each other's memory directly;
+        MPI ranks use CUDA IPC within a node and MPI between nodes
+        (``PYCOLL_DEVICE_TRANSPORT=auto|ipc|staged`` forces one; ``staged`` runs MPI even
+        within a node).
         """
-        key = (space.name, p2p)
+        key = (space.name, peer)
         transport = self._device_transports.get(key)
         if transport is None:
-            if self.mpi_comm is None:
-                transport = self._in_process_device_transport(space, p2p)
+            if peer is None:
+                transport = self._group_device_transport(space)
             else:
-                transport = _mpi_device_transport(self.mpi_comm, space)
+                transport = self._pair_device_transport(space, peer)
             self._device_transports[key] = transport
             self._apply_timeout()
         return transport
+
+    def _group_device_transport(self, space: Any) -> Any:
+        if self.mpi_comm is None:
+            return _in_process_device_transport(space, self.transport, self.nodes())
+        return _mpi_device_transport(self.mpi_comm, space)
+
+    def _pair_device_transport(self, space: Any, peer: int) -> Any:
+        pair = sorted((self.rank, peer))
+        if self.mpi_comm is None:
+            host = self.p2p.subgroup(pair, f"{self.p2p.channel}/pair{pair[0]},{pair[1]}")
+            nodes = self.nodes()
+            inner = _in_process_device_transport(space, host, [nodes[r] for r in pair])
+        else:
+            # Only the pair calls this: MPI_Comm_create_group is collective over its group
+            # alone. A distinct tag per pair keeps a rank's concurrent creations apart.
+            parent = self.p2p.comm
+            tag = (pair[0] * self.size + pair[1]) % _TAG_LIMIT
+            everyone = parent.Get_group()
+            group = everyone.Incl(pair)
+            pair_comm = parent.Create_group(group, tag)
+            group.Free()
+            everyone.Free()
+            inner = _mpi_device_transport(pair_comm, space)
+            pair_comm.Free()  # the endpoint keeps its own duplicates
+        return Renumbered(inner, pair)
 
     def free(self) -> None:
         """Release what this communicator holds: its shared memory (rings and ``pycoll.empty``
@@ -328,11 +347,12 @@ class Communicator:
 
     def free_device_buffers(self) -> None:
         """Unmap peers' device buffers, wait for every rank to do the same, then free this
-        rank's own (memory must outlive every mapping of it). Collective: every rank calls it;
-        the next device collective makes new buffers."""
-        transports = self._device_transports
+        rank's own (memory must outlive every mapping of it) and the device endpoints' MPI
+        communicators. Collective: every rank calls it; the next device collective makes new
+        buffers."""
+        inside = _reachable(*self._device_transports.values())
         self._device_transports = {}
-        endpoints = [t for transport in transports.values() for t in _endpoints(transport)]
+        endpoints = [t for t in inside if isinstance(t, PeerMemoryTransport)]
         for endpoint in endpoints:
             endpoint.close()
         from pycoll.api import barrier
@@ -340,28 +360,9 @@ class Communicator:
         barrier(self)
         for endpoint in endpoints:
             endpoint.release()
-
-    def _in_process_device_transport(self, space: Any, p2p: bool) -> Any:
-        from pycoll.bindings.staged import StagedTransport
-
-        host = self.p2p if p2p else self.transport
-        everyone = list(range(self.size))
-        channel = f"{host.channel}/{space.name}"
-        make_access = getattr(space, "peer_access_for", None)  # a stand-in device's own rules
-        if make_access is not None:
-            access = make_access(host.world.shared, self.rank)
-        else:
-            access = host.world.shared.setdefault(("peer access", space.name), SameProcessAccess())
-        # Threads share memory, so every peer is mappable; PYCOLL_RANKS_PER_NODE pretends
-        # otherwise (self.nodes()), to run the between-node path and the routing in one process.
-        return _route(
-            self.rank, self.nodes(), _device_transport_mode(),
-            lambda local: PeerMemoryTransport(
-                space, access, host.subgroup(everyone, channel + "/credits"),
-                host.subgroup(everyone, channel + "/notices"), peers=local,
-            ),
-            lambda: StagedTransport(space, host.subgroup(everyone, channel + "/staged")),
-        )
+        for host in inside:
+            if isinstance(host, MPITransport):  # the device endpoints' own duplicates
+                host.free()
 
     def next_tag(self) -> int:
         """The tag of the next collective; every rank calls collectives in the same order."""
@@ -469,8 +470,10 @@ def _route(
 ) -> Any:
     """Peer memory to the ranks of this node, staged messages to the others.
 
-    ``nodes[r]`` is rank r's node. Both endpoints are made on every rank whatever the routes
-    (making one may be collective), and ``staged`` everywhere when ``mode`` says so.
+    ``nodes[r]`` is rank r's node. Making an endpoint may be collective, so what is made
+    depends only on what every rank knows alike (``nodes``, ``mode``): both endpoints
+    where the ranks span several nodes, whatever this rank's routes; ``staged`` alone when
+    ``mode`` says so; peer memory alone on one node.
     """
     from pycoll.bindings.routed import RoutedTransport
 
@@ -480,22 +483,77 @@ def _route(
             f"PYCOLL_DEVICE_TRANSPORT=ipc but the ranks span {len(set(nodes))} nodes; peer "
             "memory reaches one node only (allowed here: auto or staged)"
         )
-    between = staged()
     if mode == "staged":
-        return between
-    within = peer_memory(local)
+        return staged()
     if len(local) == len(nodes):
-        return within
+        return peer_memory(local)
+    between = staged()
+    within = peer_memory(local)
     if len(local) == 1:
         return between
     return RoutedTransport([within if node == nodes[rank] else between for node in nodes])
 
 
-def _endpoints(transport: Any) -> list[Any]:
-    """The peer-memory endpoints in ``transport`` (itself, or behind a router)."""
-    inside = getattr(transport, "routes", [transport])
-    unique = {id(t): t for t in inside if isinstance(t, PeerMemoryTransport)}
-    return list(unique.values())
+def _reachable(*endpoints: Any) -> list[Any]:
+    """``endpoints`` and every endpoint behind them, once each: device endpoints wait
+    through host ones (routes, renumbered pairs, MPI behind staging, the credits and
+    notices of peer memory)."""
+    pending, seen, found = list(endpoints), set(), []
+    while pending:
+        endpoint = pending.pop()
+        if endpoint is None or id(endpoint) in seen:
+            continue
+        seen.add(id(endpoint))
+        found.append(endpoint)
+        pending += [getattr(endpoint, name, None) for name in ("host", "credits", "notices",
+                                                               "inner")]
+        pending += list(getattr(endpoint, "routes", ()))
+    return found
+
+
+class Renumbered:
+    """A transport of a subgroup, addressed by this group's ranks (``members[i]`` is the
+    subgroup's rank i): Send/Recv's two-rank endpoints, spoken to by communicator rank."""
+
+    def __init__(self, inner: Any, members: list[int]):
+        self.inner, self.members = inner, members
+        self.delivers = inner.delivers
+        self.rank = members[inner.rank]
+
+    def isend(self, buf: Any, peer: int, tag: int) -> Any:
+        return self.inner.isend(buf, self.members.index(peer), tag)
+
+    def irecv(self, buf: Any, peer: int, tag: int, combine: Any = None) -> Any:
+        return self.inner.irecv(buf, self.members.index(peer), tag, combine)
+
+    def waitall(self, requests: list) -> None:
+        self.inner.waitall(requests)
+
+    def sendrecv(self, send: Any, dst: int, recv: Any, src: int, tag: int) -> None:
+        self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
+
+
+def _in_process_device_transport(space: Any, host: Any, nodes: list[int]) -> Any:
+    """Device endpoints for in-process ranks of ``host``'s group (``nodes[r]``: rank r's)."""
+    from pycoll.bindings.staged import StagedTransport
+
+    everyone = list(range(host.size))
+    channel = f"{host.channel}/{space.name}"
+    make_access = getattr(space, "peer_access_for", None)  # a stand-in device's own rules
+    if make_access is not None:
+        access = make_access(host.world.shared, host.world_rank)
+    else:
+        access = host.world.shared.setdefault(("peer access", space.name), SameProcessAccess())
+    # Threads share memory, so every peer is mappable; PYCOLL_RANKS_PER_NODE pretends
+    # otherwise (comm.nodes()), to run the between-node path and the routing in one process.
+    return _route(
+        host.rank, nodes, _device_transport_mode(),
+        lambda local: PeerMemoryTransport(
+            space, access, host.subgroup(everyone, channel + "/credits"),
+            host.subgroup(everyone, channel + "/notices"), peers=local,
+        ),
+        lambda: StagedTransport(space, host.subgroup(everyone, channel + "/staged")),
+    )
 
 
 def _mpi_device_transport(mpi_comm: Any, space: Any) -> Any:

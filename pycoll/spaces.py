@@ -151,6 +151,10 @@ class CudaSpace:
         IPC handle names exactly this buffer (a pool chunk may sit inside a larger block)."""
         return self._cupy.cuda.Memory(_round_up(max(nbytes, 1), EXCHANGE_GRANULE))
 
+    def free(self, allocation: Any) -> None:
+        """Nothing to do: CuPy frees a ``Memory`` when its last reference goes, and the
+        caller drops its own (stand-in devices check here that no peer still maps it)."""
+
     def capacity(self, allocation: Any) -> int:
         return int(allocation.size)
 

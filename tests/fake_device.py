@@ -9,7 +9,9 @@ data, and a buffer reused before its reader ran gets overwritten first with fair
 result is wrong, and the test sees it.
 
 ``FakeIpcAccess`` keeps CUDA IPC's rules: a rank cannot open its own handle, every open is
-counted, and freeing memory that a peer still has open is an error.
+counted, freeing memory that a peer still has open is an error, and so is running a copy or
+reduction (queued before or after) on freed memory; an opened event, once closed, cannot be
+waited on.
 """
 
 from __future__ import annotations
@@ -76,11 +78,24 @@ class FakeEvent:
         self.destroyed = False
 
 
+class OpenedEvent:
+    """A peer's event as this rank opened it: its own handle, closed on its own."""
+
+    def __init__(self, event: FakeEvent):
+        self.event = event
+        self.destroyed = False
+
+    @property
+    def op(self) -> _Op | None:
+        return self.event.op
+
+
 class FakeAllocation:
     def __init__(self, nbytes: int, owner: int | None):
         self.buffer = np.full(nbytes, POISON, np.uint8)
         self.owner = owner
         self.freed = False
+        self.ipc_entry: dict | None = None  # its export, counting the peers that have it open
 
 
 class FakeIpcAccess:
@@ -92,7 +107,9 @@ class FakeIpcAccess:
     def _export(self, thing: Any) -> bytes:
         with self.lock:
             handle = len(self.registry).to_bytes(8, "little") + b"fake-ipc".ljust(56, b"\0")
-            self.registry[handle] = {"thing": thing, "exporter": self.rank, "opens": 0}
+            entry = self.registry[handle] = {"thing": thing, "exporter": self.rank, "opens": 0}
+            if isinstance(thing, FakeAllocation):
+                thing.ipc_entry = entry
             return handle
 
     def _open(self, handle: bytes) -> Any:
@@ -122,11 +139,14 @@ class FakeIpcAccess:
 
     export_event = _export
 
-    def open_event(self, handle: bytes) -> FakeEvent:
-        return self._open(handle)
+    def open_event(self, handle: bytes) -> OpenedEvent:
+        return OpenedEvent(self._open(handle))
 
-    def close_event(self, opened: FakeEvent) -> None:
-        self.close(opened)
+    def close_event(self, opened: OpenedEvent) -> None:
+        if opened.destroyed:
+            raise RuntimeError("closed an opened event twice")
+        opened.destroyed = True
+        self.close(opened.event)
 
     def open_count(self, thing: Any) -> int:
         with self.lock:
@@ -147,6 +167,7 @@ class FakeDevice:
         self._streams: list[FakeStream] = []
         self.operations = 0
         self.allocations: list[FakeAllocation] = []
+        self._freed: dict[int, np.ndarray] = {}  # id -> buffer of each freed allocation
 
     # -- streams
 
@@ -221,8 +242,17 @@ class FakeDevice:
         raw = np.full(count * dtype.itemsize, POISON, np.uint8)
         return raw.view(dtype).reshape(shape).view(DeviceArray)
 
+    def _check_live(self, *arrays: Any) -> None:
+        """At run time: no operand lies in freed memory (CUDA would read or corrupt it)."""
+        for a in arrays:
+            while isinstance(a, np.ndarray) and isinstance(a.base, np.ndarray):
+                a = a.base
+            if id(a) in self._freed:
+                raise RuntimeError("a queued copy or reduction touches freed memory")
+
     def copy(self, dst: Any, src: Any) -> None:
         def run() -> None:
+            self._check_live(dst, src)
             np.copyto(np.asarray(dst), np.asarray(src).reshape(np.shape(dst)), casting="no")
 
         self._enqueue(run, "copy")
@@ -238,6 +268,7 @@ class FakeDevice:
 
         def reduce(dst: Any, src: Any, first: Any = None) -> None:
             def run() -> None:
+                self._check_live(dst, src, first)
                 also = None if first is None else np.asarray(first)
                 with np.errstate(all="ignore"):
                     host(np.asarray(dst), np.asarray(src), also)
@@ -257,6 +288,14 @@ class FakeDevice:
         allocation = FakeAllocation(-(-max(nbytes, 1) // 4096) * 4096, owner=None)  # pages
         self.allocations.append(allocation)
         return allocation
+
+    def free(self, allocation: FakeAllocation) -> None:
+        with self._lock:
+            opens = allocation.ipc_entry["opens"] if allocation.ipc_entry else 0
+            if opens:
+                raise RuntimeError(f"freed memory that {opens} peer mapping(s) still have open")
+            allocation.freed = True
+            self._freed[id(allocation.buffer)] = allocation.buffer  # kept: ids stay unique
 
     def capacity(self, allocation: FakeAllocation) -> int:
         return allocation.buffer.size

@@ -142,6 +142,7 @@ def test_kernel_bench_measures_every_kernel_on_a_gpu(capsys):
     rows = bench_kernels.run([1 << 20], ["float32"], ["cupy", "numba"], repeats=2, batch=2)
     kernels = {(r.kernel, r.backend) for r in rows}
     assert {("copy", "cuda"), ("reduce", "cupy"), ("reduce_copy", "numba")} <= kernels
+    assert [r.error for r in rows if r.error is not None] == []
     assert all(r.bandwidth > 0 for r in rows)
 
 

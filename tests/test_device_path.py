@@ -376,3 +376,125 @@ def test_a_deadline_reaches_the_device_transports(device):
     results = pycoll.run_local(3, body)
     assert results[2].startswith("allreduce (ring): rank 2 waited 0.3 s")
     assert results[2].endswith("for rank(s) 1")
+
+
+# --- Send/Recv endpoints, streams, and freeing ----------------------------------------------
+
+
+@pytest.mark.parametrize("nranks", [3, 5])
+def test_send_recv_between_two_ranks_while_the_others_do_not_take_part(device, nranks):
+    """Send/Recv's device endpoint is made by the pair alone: ranks outside the call are
+    never waited for (they would be, were it made collectively). Ranks 0 and n-1 send there
+    and back; at 5 ranks, 1 sends to 2 meanwhile and 3 sits out."""
+    last = nranks - 1
+
+    def body(rank):
+        got = device_array(np.full(6, -1, np.int64))
+        if rank == 0:
+            pycoll.send(device_array(np.arange(6, dtype=np.int64)), last, tag=1)
+            pycoll.recv(got, last, tag=2)
+        elif rank == last:
+            pycoll.recv(got, 0, tag=1)
+            pycoll.send(got, 0, tag=2)  # what arrived, in stream order
+        elif rank == 1 and nranks > 3:
+            pycoll.send(device_array(np.full(6, 7, np.int64)), 2, tag=4)
+        elif rank == 2 and nranks > 3:
+            pycoll.recv(got, 1, tag=4)
+        device.synchronize()
+        return host_array(got)
+
+    results = pycoll.run_local(nranks, lambda: body(pycoll.world().rank))
+    assert results[0].tolist() == results[last].tolist() == list(range(6))
+    if nranks > 3:
+        assert results[2].tolist() == [7] * 6
+        assert results[3].tolist() == [-1] * 6
+
+
+def _alternating_streams(device, nranks, sizes_in_order):
+    """Back-to-back ring AllReduces, each on the other of two streams, no host wait between."""
+    inputs = {n: [np.arange(n, dtype=np.int64) * (r + 1) + i for r in range(nranks)]
+              for i, n in enumerate(sizes_in_order)}
+
+    def body(rank):
+        streams = [device.new_stream(f"rank{rank}-a"), device.new_stream(f"rank{rank}-b")]
+        outs = [pycoll.allreduce(device_array(inputs[n][rank]), algorithm="ring",
+                                 stream=streams[i % 2]) for i, n in enumerate(sizes_in_order)]
+        for stream in streams:
+            with device.using(stream):
+                device.synchronize()
+        return [host_array(o) for o in outs]
+
+    for outs in pycoll.run_local(nranks, lambda: body(pycoll.world().rank)):
+        for out, n in zip(outs, sizes_in_order):
+            np.testing.assert_array_equal(out, oracle.allreduce(inputs[n], "sum"))
+
+
+def test_calls_on_alternating_streams_reuse_inbox_slots_safely(peer_device):
+    """A call on another stream than the last is ordered after the last one's work: its
+    inbox slots are the ones the previous call is still reading."""
+    for seed in range(5):
+        peer_device._rng.seed(seed)
+        _alternating_streams(peer_device, 3, [999, 1000, 998, 1000, 37, 1000])
+
+
+def test_the_stand_in_catches_calls_on_two_streams_left_unordered(monkeypatch, peer_device):
+    """Guard for the test above: without ordering the streams, results go wrong."""
+    monkeypatch.setattr(peer_memory.PeerMemoryTransport, "_on_current_stream", lambda self: None)
+    with pytest.raises(AssertionError):
+        for seed in range(5):
+            peer_device._rng.seed(seed)
+            _alternating_streams(peer_device, 3, [999, 1000, 998, 1000, 37, 1000])
+
+
+def test_freeing_device_buffers_right_after_a_call_waits_for_its_work(peer_device):
+    """free_device_buffers() with the last call's copies still queued: each rank finishes
+    its own before unmapping, so no inbox is freed under queued work."""
+
+    def body(rank):
+        comm = pycoll.world()
+        x = pycoll.allreduce(device_array(np.arange(3000, dtype=np.int64) + rank),
+                             algorithm="ring")
+        comm.free_device_buffers()  # no synchronisation before
+        peer_device.synchronize()
+        return host_array(x)
+
+    for seed in range(3):
+        peer_device._rng.seed(seed)
+        for out in pycoll.run_local(3, lambda: body(pycoll.world().rank)):
+            np.testing.assert_array_equal(out, np.arange(3000) * 3 + 3)
+
+
+def test_the_stand_in_catches_a_free_under_queued_work(monkeypatch, peer_device):
+    """Guard: if close() did not wait for this rank's queued work, work would run on freed
+    inboxes."""
+    monkeypatch.setattr(peer_device, "synchronize", lambda: None, raising=True)
+
+    def body(rank):
+        x = pycoll.allreduce(device_array(np.arange(3000, dtype=np.int64) + rank),
+                             algorithm="ring")
+        pycoll.world().free_device_buffers()
+        return x
+
+    pycoll.run_local(3, lambda: body(pycoll.world().rank))
+    with pytest.raises(RuntimeError, match="touches freed memory"):
+        peer_device.synchronize_all()  # once every rank has freed
+
+
+def test_the_stand_in_refuses_to_free_memory_a_peer_still_maps(peer_device):
+    def body():
+        pycoll.allreduce(device_array(np.ones(100, np.int32)), algorithm="ring")
+        peer_device.synchronize()
+        pycoll.barrier()
+        transport = pycoll.world().device_transport(peer_device)
+        inbox = transport._inboxes[0].allocation
+        opened = transport.access.open_count(inbox)
+        pycoll.barrier()
+        if opened:
+            with pytest.raises(RuntimeError, match="peer mapping"):
+                peer_device.free(inbox)
+        pycoll.barrier()
+        pycoll.world().free_device_buffers()
+        return opened, inbox.freed
+
+    results = pycoll.run_local(3, body)
+    assert all(opened >= 1 and freed for opened, freed in results)

@@ -96,3 +96,33 @@ def test_mpi_ranks_staged_through_the_host(monkeypatch):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert ", 0 failed" in output
+
+
+@needs_gpu
+def test_calls_alternating_between_two_streams_without_host_waits():
+    """Each rank's calls alternate between two streams and nobody synchronises between
+    them: a call is ordered after the previous one's reads of its inbox slots."""
+    import cupy
+    import numpy as np
+
+    sizes = [999, 1 << 16, 1000, 1 << 16, 37] * 20
+    inputs = [[np.arange(n, dtype=np.int64) * (r + 1) + i for i, n in enumerate(sizes)]
+              for r in range(3)]
+
+    def body():
+        rank = pycoll.world().rank
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+        outs = []
+        for i, x in enumerate(inputs[rank]):
+            with streams[i % 2]:
+                outs.append(pycoll.allreduce(cupy.asarray(x), algorithm="ring",
+                                             stream=streams[i % 2]))
+        for stream in streams:
+            stream.synchronize()
+        return [o.get() for o in outs]
+
+    results = pycoll.run_local(3, body)
+    for i in range(len(sizes)):
+        want = oracle.allreduce([inputs[r][i] for r in range(3)], "sum")
+        for outs in results:
+            np.testing.assert_array_equal(outs[i], want, err_msg=f"call {i}")

@@ -381,6 +381,25 @@ def test_numba_kernels_compile_to_ptx_for_sm90(dt):
 
 
 @pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda not installed")
+def test_numba_grid_fills_every_sm_of_an_h200(monkeypatch):
+    if os.environ.get("NUMBA_ENABLE_CUDASIM"):
+        pytest.skip("NUMBA_ENABLE_CUDASIM is set in this process: tests/cudasim checks its grid")
+    import types
+
+    from numba import cuda
+
+    from pycoll.kernels import numba_cuda
+
+    h200 = types.SimpleNamespace(MULTIPROCESSOR_COUNT=132)
+    monkeypatch.setattr(cuda, "get_current_device", lambda: h200)
+    kernels = numba_cuda.NumbaKernels(threads=256)
+    assert kernels._grid(1 << 28) == numba_cuda.BLOCKS_PER_SM * 132 == 4224
+    assert kernels._grid(256 * 1000 + 1) == 1001  # one pass, when that takes fewer blocks
+    assert kernels._grid(1) == 1
+    assert numba_cuda.NumbaKernels(threads=256, max_blocks=8)._grid(1 << 28) == 8
+
+
+@pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda not installed")
 def test_numba_simulator_suite(jobs):
     rc, log = jobs.result("simulator")
     suite = ET.parse(jobs.tmp / "sim.xml").getroot()

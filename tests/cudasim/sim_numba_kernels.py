@@ -24,7 +24,11 @@ from pycoll.kernels.host import ReduceOp
 if not os.environ.get("NUMBA_ENABLE_CUDASIM"):
     pytest.exit("run with NUMBA_ENABLE_CUDASIM=1 (see the docstring)", returncode=4)
 
-from pycoll.kernels.numba_cuda import NumbaKernels, simulator_enabled  # noqa: E402
+from pycoll.kernels.numba_cuda import (  # noqa: E402
+    SIM_MAX_BLOCKS,
+    NumbaKernels,
+    simulator_enabled,
+)
 
 DTYPES = [row.dtype for row in table.GPU_DTYPES]
 FLOATS = [row.dtype for row in table.GPU_DTYPES if row.kind == "float"]
@@ -37,7 +41,7 @@ REDUCE_CASES = [(dt, op, n) for dt in DTYPES for op in OPS for n in SIZES]
 COPY_CASES = [(dt, n) for dt in DTYPES for n in SIZES]
 NAN_CASES = [(dt, op) for dt in FLOATS for op in ("min", "max")]
 ROUNDING_CASES = [(dt, op) for dt in FLOATS for op in ("sum", "prod", "avg")]
-PLAIN_TESTS = 5  # the unparametrized tests below
+PLAIN_TESTS = 6  # the unparametrized tests below
 EXPECTED = (
     len(REDUCE_CASES)
     + len(COPY_CASES)
@@ -233,3 +237,10 @@ def test_contiguous_arrays_of_any_shape(kernels):
     got = a.copy()
     kernels.reducer("max", np.int32)(got, b, first=got)  # dst may be first
     assert same(got, np.maximum(a, b))
+
+
+def test_default_grid_stays_tiny():
+    # One Python thread per CUDA thread: the default cap must not scale like a real GPU's.
+    kernels = NumbaKernels()
+    assert kernels._grid(1 << 30) == SIM_MAX_BLOCKS == 4
+    assert kernels._grid(1) == 1

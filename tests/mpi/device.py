@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from fake_device import FakeDevice, device_array, host_array  # noqa: E402
@@ -24,6 +25,7 @@ import pycoll  # noqa: E402
 from pycoll import oracle, spaces  # noqa: E402
 from pycoll.algorithms import families_for  # noqa: E402
 from pycoll.bindings import staged  # noqa: E402
+from pycoll.comm import _reachable  # noqa: E402
 from pycoll.schedule import Collective  # noqa: E402
 
 comm = pycoll.world()
@@ -31,7 +33,6 @@ P, RANK = comm.size, comm.rank
 CUDA = sys.argv[1:] == ["cuda"]
 if CUDA:
     import cupy
-    from mpi4py import MPI
 
     node = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     cupy.cuda.Device(node.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
@@ -88,8 +89,39 @@ for count in (0, 1, P + 1, 1000):
     device.synchronize()
     check(f"broadcast {count}", host_array(got), inputs[P - 1])
 
+# Back-to-back small AllReduces with no host wait between: every call re-records each
+# rank's one IPC event while peers' waits on its earlier records may still be queued.
+outs = [pycoll.allreduce(device_array(np.full(64, i + RANK, np.int64)), algorithm="ring")
+        for i in range(1000 if CUDA else 50)]
+device.synchronize()
+want = [np.full(64, i * P + P * (P - 1) // 2, np.int64) for i in range(len(outs))]
+check("back-to-back allreduces", [host_array(o) for o in outs], want)
+
 kind = type(comm.device_transport(device)).__name__
 check("transport", kind, expected_transport if P > 1 else kind)
+
+# Send/Recv between the first and last rank while the others sit out: the pair makes its
+# endpoint alone (a collective making would hang here).
+if P > 1 and RANK in (0, P - 1):
+    other = P - 1 - RANK
+    got = device_array(np.full(5, -1, np.int32))
+    if RANK == 0:
+        pycoll.send(device_array(np.arange(5, dtype=np.int32)), other, tag=3)
+        pycoll.recv(got, other, tag=4)
+    else:
+        pycoll.recv(got, other, tag=3)
+        pycoll.send(got, other, tag=4)
+    device.synchronize()
+    check("send/recv pair", host_array(got), np.arange(5, dtype=np.int32))
+
+# free_device_buffers frees the device endpoints' own MPI communicators, then the next call
+# makes new ones.
+owned = [t.comm for t in _reachable(*comm._device_transports.values()) if hasattr(t, "comm")]
+comm.free_device_buffers()
+check("device communicators freed", bool(owned) and all(c == MPI.COMM_NULL for c in owned), True)
+got = pycoll.allreduce(device_array(np.ones(7, np.int32)))
+device.synchronize()
+check("allreduce after freeing", host_array(got), np.full(7, P, np.int32))
 totals = comm.mpi_comm.allreduce(np.array([passed, failed]))
 if RANK == 0:
     print(f"device collectives on {P} ranks: {totals[0]} passed, {totals[1]} failed", flush=True)
