@@ -89,17 +89,38 @@ def test_spin_kernel_compiles_for_sm90_with_nvcc(tmp_path):
     _spin_loop_is_kept(ptx)
 
 
-def test_spin_kernel_compiles_with_cupys_nvrtc():
-    # RawKernel compiles with NVRTC; CuPy's own compile call needs a device, its binding not.
-    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
-                                reason="CuPy not installed")
-    prog = nvrtc.createProgram(bench_kernels.SPIN_SOURCE, "spin.cu", (), ())
+def _nvrtc_ptx(source: str, arch: str) -> str:
+    """PTX from NVRTC: CuPy's binding where CuPy is installed, else cuda-bindings' (which
+    numba-cuda[cu13] brings, as the kernels' own NVRTC test uses)."""
     try:
-        nvrtc.compileProgram(prog, ("-arch=compute_90",))
-        ptx = nvrtc.getPTX(prog).decode()
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError:
+        from cuda.bindings import nvrtc as bindings
+
+        def check(result):
+            err, *rest = result
+            assert err == bindings.nvrtcResult.NVRTC_SUCCESS, err
+            return rest[0] if rest else None
+
+        prog = check(bindings.nvrtcCreateProgram(source.encode(), b"spin.cu", 0, [], []))
+        try:
+            check(bindings.nvrtcCompileProgram(prog, 1, [f"-arch={arch}".encode()]))
+            ptx = b" " * check(bindings.nvrtcGetPTXSize(prog))
+            check(bindings.nvrtcGetPTX(prog, ptx))
+            return ptx.rstrip(b"\0 ").decode()
+        finally:
+            check(bindings.nvrtcDestroyProgram(prog))
+    prog = nvrtc.createProgram(source, "spin.cu", (), ())
+    try:
+        nvrtc.compileProgram(prog, (f"-arch={arch}",))
+        return nvrtc.getPTX(prog).decode()
     finally:
         nvrtc.destroyProgram(prog)
-    _spin_loop_is_kept(ptx)
+
+
+def test_spin_kernel_compiles_with_nvrtc():
+    # RawKernel compiles with NVRTC; CuPy's own compile call needs a device, the binding not.
+    _spin_loop_is_kept(_nvrtc_ptx(bench_kernels.SPIN_SOURCE, "compute_90"))
 
 
 class TimingCupy:
