@@ -33,8 +33,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --ignore-installed \
     --prefix "$prefix" .whl/*.whl
 fi
-"$python" -m pip install -q --no-index --no-deps --no-build-isolation --target "$site" . \
-  || { echo "could not install pycoll into $site" | tee -a "$out/environment.txt"; exit 1; }
+# pycoll laid out as pyproject.toml maps it (kernels/ and bindings/ inside the package), by
+# copying: no build backend (setuptools, wheel) is needed there.
+cp -r pycoll "$site/" && cp -r kernels "$site/pycoll/kernels" && cp -r bindings "$site/pycoll/bindings" \
+  || { echo "could not lay out pycoll in $site" | tee -a "$out/environment.txt"; exit 1; }
 wheels=$("$python" -c "import sysconfig; print(sysconfig.get_path('purelib', \
   vars={'base': '$prefix', 'platbase': '$prefix'}))")
 export PYTHONPATH="$site:$wheels${PYTHONPATH:+:$PYTHONPATH}"
@@ -43,6 +45,22 @@ export LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONSAFEPATH=1  # every python, MPI ranks too: the source tree must not shadow pycoll
 { command -v mpiexec; "$python" -c "from mpi4py import MPI; print(MPI.Get_library_version()[:40])"; \
   } 2>&1 | tee -a "$out/environment.txt"
+
+# 0. Preflight, for reading a failed run: what CuPy and Numba see, and one tiny kernel each.
+timeout "$(within 60)" "$python" -P -c "
+import cupy, numba.cuda, numpy
+cupy.show_config()
+print('cupy sum of arange(5):', int(cupy.arange(5).sum()))
+numba.cuda.detect()
+@numba.cuda.jit
+def twice(x):
+    i = numba.cuda.grid(1)
+    if i < x.size:
+        x[i] *= 2
+x = numba.cuda.to_device(numpy.arange(4.0))
+twice[1, 4](x)
+print('numba twice(arange(4)):', x.copy_to_host().tolist())
+" 2>&1 | tee -a "$out/environment.txt"
 
 # 1. The GPU tests (they skip only where no GPU is found; here none should skip).
 timeout "$(within 200)" "$python" -P -m pytest -q -rs -p no:cacheprovider tests/test_kernels_cuda.py \

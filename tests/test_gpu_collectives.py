@@ -126,3 +126,17 @@ def test_calls_alternating_between_two_streams_without_host_waits():
         want = oracle.allreduce([inputs[r][i] for r in range(3)], "sum")
         for outs in results:
             np.testing.assert_array_equal(outs[i], want, err_msg=f"call {i}")
+
+
+@needs_gpu
+def test_a_rank_killed_with_its_inbox_mapped_ends_the_job():
+    """A rank dies after the first CuPy collective (peers have its inbox and event open):
+    the others, waiting in the next one, are ended by the launcher, not left hanging."""
+    import time
+
+    started = time.monotonic()
+    done = launch(3, str(HERE / "faults.py"), "kill-cuda", timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "finished, which it must not" not in output
+    assert time.monotonic() - started < 60, output

@@ -4,7 +4,8 @@ Run as ``python tests/mpi/faults.py MODE`` with MODE ``raise`` (an uncaught exce
 pycoll's MPI world turns into an abort of the whole job) or ``bad-input`` (a validation error
 on one rank only) or ``kill`` (rank 1 is killed by SIGKILL after the shared-memory transport
 was made, while the others wait for it in a collective) or ``kill-device`` (the same with
-device arrays: a stand-in device per process, the staged MPI transport).
+device arrays: a stand-in device per process, the staged MPI transport) or ``kill-cuda``
+(CuPy arrays on a real GPU, over CUDA IPC: a peer dies with its inbox mapped).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ x = np.arange(8, dtype=np.float32)
 if mode == "kill-device":
     spaces.register(FakeDevice(seed=comm.rank))
     x = device_array(x)
+elif mode == "kill-cuda":
+    import cupy
+
+    x = cupy.asarray(x)
 if mode.startswith("kill"):
     pycoll.allreduce(x)  # the first collective makes the shared-memory transport
     if comm.rank == 1:
