@@ -297,7 +297,7 @@ class Communicator:
     def _group_device_transport(self, space: Any) -> Any:
         if self.mpi_comm is None:
             return _in_process_device_transport(space, self.transport, self.nodes())
-        return _mpi_device_transport(self.mpi_comm, space)
+        return _mpi_device_transport(self.mpi_comm, space, self.nodes())
 
     def _pair_device_transport(self, space: Any, peer: int) -> Any:
         pair = sorted((self.rank, peer))
@@ -315,7 +315,8 @@ class Communicator:
             pair_comm = parent.Create_group(group, tag)
             group.Free()
             everyone.Free()
-            inner = _mpi_device_transport(pair_comm, space)
+            nodes = self.nodes()
+            inner = _mpi_device_transport(pair_comm, space, [nodes[r] for r in pair])
             pair_comm.Free()  # the endpoint keeps its own duplicates
         return Renumbered(inner, pair)
 
@@ -471,9 +472,9 @@ def _route(
     """Peer memory to the ranks of this node, staged messages to the others.
 
     ``nodes[r]`` is rank r's node. Making an endpoint may be collective, so what is made
-    depends only on what every rank knows alike (``nodes``, ``mode``): both endpoints
-    where the ranks span several nodes, whatever this rank's routes; ``staged`` alone when
-    ``mode`` says so; peer memory alone on one node.
+    depends only on what every rank knows alike (``nodes``, ``mode``), not on this rank's
+    routes: ``staged`` alone when ``mode`` says so; peer memory alone on one node; across
+    nodes, ``staged``, and peer memory too where some node holds several ranks.
     """
     from pycoll.bindings.routed import RoutedTransport
 
@@ -488,6 +489,8 @@ def _route(
     if len(local) == len(nodes):
         return peer_memory(local)
     between = staged()
+    if len(set(nodes)) == len(nodes):  # a node each: nobody maps a peer
+        return between
     within = peer_memory(local)
     if len(local) == 1:
         return between
@@ -556,8 +559,10 @@ def _in_process_device_transport(space: Any, host: Any, nodes: list[int]) -> Any
     )
 
 
-def _mpi_device_transport(mpi_comm: Any, space: Any) -> Any:
-    """CUDA IPC to the ranks of this node, MPI (CUDA-aware or staged) to the others."""
+def _mpi_device_transport(mpi_comm: Any, space: Any, nodes: list[int]) -> Any:
+    """CUDA IPC to the ranks of this node, MPI (CUDA-aware or staged) to the others
+    (``nodes[r]``: rank r's node, as ``Communicator.nodes`` gives it: simulated nodes are
+    parts of real ones, so IPC reaches within them too)."""
     from pycoll.bindings.staged import StagedTransport, cuda_aware_mpi
 
     mode = _device_transport_mode()
@@ -566,8 +571,6 @@ def _mpi_device_transport(mpi_comm: Any, space: Any) -> Any:
         mode = "staged"
     if mode == "staged":
         nodes = list(range(mpi_comm.Get_size()))
-    else:
-        nodes = node_of_each_rank(mpi_comm)
     return _route(
         mpi_comm.Get_rank(), nodes, mode,
         lambda local: PeerMemoryTransport(

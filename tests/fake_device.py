@@ -16,9 +16,12 @@ waited on.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import random
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,8 +94,8 @@ class OpenedEvent:
 
 
 class FakeAllocation:
-    def __init__(self, nbytes: int, owner: int | None):
-        self.buffer = np.full(nbytes, POISON, np.uint8)
+    def __init__(self, nbytes: int, owner: int | None, buffer: np.ndarray | None = None):
+        self.buffer = np.full(nbytes, POISON, np.uint8) if buffer is None else buffer
         self.owner = owner
         self.freed = False
         self.ipc_entry: dict | None = None  # its export, counting the peers that have it open
@@ -345,3 +348,95 @@ class FakeDevice:
         registry = shared.setdefault(("fake ipc registry", self.name), {})
         lock = shared.setdefault(("fake ipc lock", self.name), threading.Lock())
         return FakeIpcAccess(registry, rank, lock)
+
+
+class FileIpcAccess:
+    """CUDA IPC's rules between processes of one machine, for :class:`SharedFileDevice`:
+    an inbox's handle names its file, which a peer maps; a process cannot open its own."""
+
+    def __init__(self) -> None:
+        self.opens = 0  # mappings of peers' inboxes this process holds
+
+    def export(self, allocation: FakeAllocation) -> bytes:
+        return allocation.path.encode().ljust(64, b"\0")
+
+    def open(self, handle: bytes, capacity: int) -> FakeAllocation:
+        path = handle.rstrip(b"\0").decode()
+        if path.startswith(f"{_SHARED_PREFIX}{os.getpid()}-"):
+            raise RuntimeError("invalid device context: a process cannot open its own handle")
+        if os.path.getsize(path) != capacity:
+            raise ValueError(f"capacity {capacity} != {os.path.getsize(path)} ({path})")
+        self.opens += 1
+        return FakeAllocation(capacity, None, np.memmap(path, np.uint8, "r+", shape=(capacity,)))
+
+    def close(self, opened: FakeAllocation) -> None:
+        if opened.freed:
+            raise RuntimeError("closed a peer's inbox twice")
+        opened.freed = True
+        self.opens -= 1
+
+    def export_event(self, event: FakeEvent) -> bytes:
+        return b"event-" + uuid.uuid4().bytes.ljust(58, b"\0")
+
+    def open_event(self, handle: bytes) -> OpenedEvent:
+        return OpenedEvent(FakeEvent())  # work runs at once: nothing to wait for
+
+    def close_event(self, opened: OpenedEvent) -> None:
+        if opened.destroyed:
+            raise RuntimeError("closed an opened event twice")
+        opened.destroyed = True
+
+
+_SHARED_PREFIX = "/dev/shm/pycoll-fake-"
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class SharedFileDevice(FakeDevice):
+    """A stand-in device for MPI processes of one machine: its exchange memory is a file in
+    /dev/shm that peers map, as CUDA IPC maps device memory, so the peer-memory transport
+    runs between processes (handles, credits and notices over MPI, Send/Recv pairs, freeing).
+
+    Its work runs at once: another process's queued work is not something a host wait here
+    could run, so stream order is checked by :class:`FakeDevice`, in one process, instead.
+    """
+
+    def __init__(self, seed: int = 0, name: str = "fake-shared"):
+        super().__init__(seed, name)
+        self.access = FileIpcAccess()
+
+    @property
+    def ipc_access(self):  # what pycoll calls to get this process's access
+        return lambda: self.access
+
+    def _enqueue(self, fn, label: str, after: _Op | None = None) -> None:
+        if fn is not None:
+            fn()
+            self.operations += 1
+
+    def record(self, event: FakeEvent) -> None:
+        event.op = None
+
+    def allocate(self, nbytes: int) -> FakeAllocation:
+        size = -(-max(nbytes, 1) // 4096) * 4096
+        path = f"{_SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        with open(path, "wb") as f:
+            f.truncate(size)
+        atexit.register(_unlink, path)  # an inbox never freed still goes with its process
+        buffer = np.memmap(path, np.uint8, "r+", shape=(size,))
+        buffer[:] = POISON
+        allocation = FakeAllocation(size, None, buffer)
+        allocation.path = path
+        self.allocations.append(allocation)
+        return allocation
+
+    def free(self, allocation: FakeAllocation) -> None:
+        if allocation.freed:
+            raise RuntimeError("freed an inbox twice")
+        allocation.freed = True
+        _unlink(allocation.path)  # peers that still map it keep their mapping, as with IPC

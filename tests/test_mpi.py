@@ -47,6 +47,20 @@ def test_every_collective_under_mpiexec(script, summary, nranks):
     assert ", 0 failed" in output
 
 
+@pytest.mark.parametrize("nranks,per_node", [(2, ""), (3, ""), (5, ""), (5, "2"), (3, "1")])
+def test_peer_memory_between_processes(nranks, per_node):
+    """The peer-memory transport between MPI processes, as over CUDA IPC (a stand-in device
+    whose inboxes are files the processes map): handles, credits and notices over MPI; with
+    simulated nodes, routed: peer memory within them, staged MPI between."""
+    before = {p.name for p in Path("/dev/shm").glob("pycoll-fake-*")}
+    done = launch(nranks, "-m", "mpi4py", str(HERE / "device.py"), "shared",
+                  PYCOLL_RANKS_PER_NODE=per_node)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert f"device collectives on {nranks} ranks:" in output and ", 0 failed" in output
+    assert {p.name for p in Path("/dev/shm").glob("pycoll-fake-*")} <= before  # none left
+
+
 # the host transport: shared memory (the default on one node), messages only, and shared
 # memory within simulated nodes of two ranks with messages between them (small rings, so long
 # messages wrap)

@@ -2,7 +2,9 @@
 against the oracle.
 
 ``device.py`` (no argument): a stand-in device per process, so nothing is shared but MPI
-messages, as between nodes: the staged MPI transport. ``device.py cuda``: CuPy arrays, each
+messages, as between nodes: the staged MPI transport. ``device.py shared``: a stand-in whose
+exchange memory is a file the processes map (tests/fake_device.py SharedFileDevice), so the
+peer-memory transport runs between processes as over CUDA IPC. ``device.py cuda``: CuPy arrays, each
 rank on GPU (node-local rank mod GPU count), over CUDA IPC within the node (or staged MPI
 with PYCOLL_DEVICE_TRANSPORT=staged).
 
@@ -19,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from fake_device import FakeDevice, device_array, host_array  # noqa: E402
+from fake_device import FakeDevice, SharedFileDevice, device_array, host_array  # noqa: E402
 
 import pycoll  # noqa: E402
 from pycoll import oracle, spaces  # noqa: E402
@@ -47,12 +49,20 @@ if CUDA:
         return x.get()
 
     expected_transport = "PeerMemoryTransport"
+elif sys.argv[1:] == ["shared"]:
+    device = SharedFileDevice(seed=RANK)
+    spaces.register(device)
+    expected_transport = "PeerMemoryTransport"
 else:
     device = FakeDevice(seed=RANK)
     spaces.register(device)
     expected_transport = "StagedTransport"
 if os.environ.get("PYCOLL_DEVICE_TRANSPORT") == "staged":
     expected_transport = "StagedTransport"
+elif len(set(comm.nodes())) > 1 and expected_transport == "PeerMemoryTransport":
+    # peer memory within nodes, MPI between; MPI alone for a rank alone on its node
+    alone = comm.nodes().count(comm.nodes()[RANK]) == 1
+    expected_transport = "StagedTransport" if alone else "RoutedTransport"
 passed = failed = 0
 staged.PIECE_BYTES = 1000  # several pieces per message, in order, on one tag
 
