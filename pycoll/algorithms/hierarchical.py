@@ -97,6 +97,8 @@ def _binomial(b: ScheduleBuilder, groups: list[list[int]], reduce: bool,
         for g, members in active:
             for i in range(0, size - d, 2 * d):
                 near, far = members[i], members[i + d]
+                if not (b.wants(near) or b.wants(far)):  # dropped anyway: skip the loop
+                    continue
                 for chunk in (c for block in blocks(g) for c in b.chunks_of_block(block)):
                     if reduce:
                         b.transfer(far, near, chunk, reduce=True)
