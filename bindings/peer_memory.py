@@ -97,11 +97,12 @@ class _Inbox:
 
 
 class _Outgoing:
-    __slots__ = ("buf", "peer", "tag", "credit", "credit_request", "notice_request")
+    __slots__ = ("buf", "peer", "tag", "credit", "credit_request", "notice", "notice_request")
 
     def __init__(self, buf: Any, peer: int, tag: int):
         self.buf, self.peer, self.tag = buf, peer, tag
         self.credit = np.zeros(_CREDIT_WORDS, np.int64)
+        self.notice = np.zeros(_NOTICE_WORDS, np.int64)  # kept here until it is sent
         self.credit_request = None
         self.notice_request = None
 
@@ -247,8 +248,9 @@ class PeerMemoryTransport:
         self.space.wait(self._peer_event(r.peer, credit[_HANDLE_WORDS : 2 * _HANDLE_WORDS]))
         self.space.copy(target, r.buf.reshape(-1))
         self.space.record(self._event)
-        notice = np.concatenate([[nbytes], self._event_words])
-        r.notice_request = self.notices.isend(notice, r.peer, r.tag)
+        r.notice[0] = nbytes
+        r.notice[1:] = self._event_words
+        r.notice_request = self.notices.isend(r.notice, r.peer, r.tag)
 
     def _deliver(self, r: _Incoming) -> None:
         incoming = self.space.view(r.inbox.allocation, r.offset, r.buf.size, r.buf.dtype)

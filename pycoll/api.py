@@ -654,8 +654,11 @@ def _run(
         space.copy(source, original)
     tag = comm.next_tag() if tag is None else tag
     if space.is_device:  # Send/Recv: the endpoint to the one other rank of the pair
-        transport = comm.device_transport(space, (root if peer == comm.rank else peer)
-                                          if p2p else None)
+        try:
+            transport = comm.device_transport(space, (root if peer == comm.rank else peer)
+                                              if p2p else None)
+        except WaitTimeout as late:
+            raise _timed_out(comm, f"{collective.value} (connecting)", late) from None
     else:
         transport = comm.p2p if p2p else comm.host_transport()
     scratch = None

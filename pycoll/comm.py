@@ -307,7 +307,12 @@ class Communicator:
             inner = _in_process_device_transport(space, host, [nodes[r] for r in pair])
         else:
             # Only the pair calls this: MPI_Comm_create_group is collective over its group
-            # alone. A distinct tag per pair keeps a rank's concurrent creations apart.
+            # alone. A distinct tag per pair keeps a rank's concurrent creations apart. No
+            # deadline can interrupt it, so first a word each way under the deadline (on
+            # the tag user Send/Recv may not take): the peer is there, or WaitTimeout.
+            words = np.zeros(2, np.int64)
+            self.p2p.waitall([self.p2p.irecv(words[:1], peer, _TAG_LIMIT),
+                              self.p2p.isend(words[1:], peer, _TAG_LIMIT)])
             parent = self.p2p.comm
             tag = (pair[0] * self.size + pair[1]) % _TAG_LIMIT
             everyone = parent.Get_group()

@@ -117,6 +117,17 @@ def test_a_timeout_names_the_missing_rank_on_every_process(transport, count):
     assert shm_files() - before == set()
 
 
+def test_a_first_device_send_to_a_rank_that_never_receives_times_out():
+    """Connecting a Send/Recv pair is bounded by the deadline too (MPI_Comm_create_group,
+    which nothing can interrupt, starts only once the peer has answered)."""
+    done = launch(3, str(HERE / "timeout.py"), "3", "device-send", timeout=60,
+                  PYCOLL_TIMEOUT="1")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "sendrecv (connecting): rank 0 waited 1 s for rank(s) 2" in output, output
+    assert "timeouts on 3 ranks: 3 of 3 named a peer" in output, output
+
+
 @pytest.mark.parametrize("transport", ["auto", "mpi"])
 def test_async_collectives_overlap_between_processes(transport):
     done = launch(3, str(HERE / "asynchronous.py"), PYCOLL_HOST_TRANSPORT=transport)
