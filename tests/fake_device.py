@@ -21,6 +21,7 @@ import contextlib
 import os
 import random
 import threading
+import types
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -440,3 +441,18 @@ class SharedFileDevice(FakeDevice):
             raise RuntimeError("freed an inbox twice")
         allocation.freed = True
         _unlink(allocation.path)  # peers that still map it keep their mapping, as with IPC
+
+
+def cupy_look_alike(device: FakeDevice) -> types.ModuleType:
+    """What pycoll's own GPU-facing code (the bench's ``--device cuda``) asks of ``cupy``,
+    with arrays on ``device``: put it in ``sys.modules["cupy"]`` and register ``device``."""
+    look_alike = types.ModuleType("cupy")
+    look_alike.ndarray = type("NotACupyArray", (), {})  # the CUDA space claims nothing
+    look_alike.asarray = device_array
+    look_alike.zeros = lambda n, dtype: device_array(np.zeros(n, dtype))
+    look_alike.cuda = types.SimpleNamespace(
+        Stream=lambda non_blocking: device.new_stream("bench"),
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+        Device=lambda index: types.SimpleNamespace(use=lambda: None),
+    )
+    return look_alike

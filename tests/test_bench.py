@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from test_mpi import mpiexec
 
@@ -106,23 +105,12 @@ def test_device_bench_says_plainly_when_there_is_no_gpu(capsys):
 def test_device_bench_runs_end_to_end_on_the_stand_in_device(monkeypatch, capsys):
     """--device cuda's own code (buffers, streams, upload, check) with a CuPy look-alike
     whose arrays live on the stand-in device; the GPU run is bench/gpu_check.sh's."""
-    import types
-
-    from fake_device import FakeDevice, device_array
+    from fake_device import FakeDevice, cupy_look_alike
 
     from pycoll import spaces
 
     fake = FakeDevice(seed=5)
-    look_alike = types.ModuleType("cupy")
-    look_alike.ndarray = type("NotACupyArray", (), {})
-    look_alike.asarray = device_array
-    look_alike.zeros = lambda n, dtype: device_array(np.zeros(n, dtype))
-    look_alike.cuda = types.SimpleNamespace(
-        Stream=lambda non_blocking: fake.new_stream("bench"),
-        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
-        Device=lambda index: types.SimpleNamespace(use=lambda: None),
-    )
-    monkeypatch.setitem(sys.modules, "cupy", look_alike)
+    monkeypatch.setitem(sys.modules, "cupy", cupy_look_alike(fake))
     spaces.register(fake)
     try:
         for collective in ("allreduce", "reduce_scatter", "allgather"):

@@ -117,6 +117,17 @@ def test_a_timeout_names_the_missing_rank_on_every_process(transport, count):
     assert shm_files() - before == set()
 
 
+@pytest.mark.parametrize("collective,nranks", [("allreduce", 3), ("reduce_scatter", 2),
+                                               ("allgather", 3)])
+def test_the_gpu_check_collective_bench_between_processes(collective, nranks):
+    """bench/gpu_check.sh's third step, with stand-ins for CuPy and the GPU: the benchmark's
+    --device cuda code and the peer-memory transport between processes, every algorithm."""
+    done = launch(nranks, "-m", "mpi4py", str(HERE / "device_bench.py"), collective)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "# out of bounds values: 0 OK" in output and "ring" in output, output
+
+
 def test_a_first_device_send_to_a_rank_that_never_receives_times_out():
     """Connecting a Send/Recv pair is bounded by the deadline too (MPI_Comm_create_group,
     which nothing can interrupt, starts only once the peer has answered)."""
