@@ -150,6 +150,7 @@ class PeerMemoryTransport:
         self.credits, self.notices = credits, notices
         self.rank, self.size = credits.rank, credits.size
         self.peers = list(range(self.size)) if peers is None else sorted(peers)
+        self.names = list(range(self.size))  # how errors name each rank of the group
         self._inboxes: list[_Inbox] = []
         self._used = 0  # bytes of the newest inbox claimed in the current step
         self._mapped: dict[tuple[int, bytes], Any] = {}  # (peer, handle) -> opened inbox
@@ -236,8 +237,9 @@ class PeerMemoryTransport:
         capacity, offset, nbytes = (int(v) for v in credit[2 * _HANDLE_WORDS :])
         if nbytes != r.buf.nbytes:
             raise ValueError(
-                f"rank {self.rank} sends {r.buf.nbytes} bytes to rank {r.peer}, which expects "
-                f"{nbytes} (tag {r.tag}); the ranks disagree on counts"
+                f"rank {self.names[self.rank]} sends {r.buf.nbytes} bytes to rank "
+                f"{self.names[r.peer]}, which expects {nbytes} (tag {r.tag}); the ranks "
+                "disagree on counts"
             )
         key = (r.peer, handle)
         inbox = self._mapped.get(key)

@@ -21,7 +21,7 @@ from pycoll import agree
 from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
 from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi, node_of_each_rank
 from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
-from pycoll.bindings.transport import Transport
+from pycoll.bindings.transport import Transport, WaitTimeout
 from pycoll.traffic import Traffic
 
 _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
@@ -527,6 +527,8 @@ class Renumbered:
         self.inner, self.members = inner, members
         self.delivers = inner.delivers
         self.rank = members[inner.rank]
+        if hasattr(inner, "names"):  # its errors name ranks as the communicator does
+            inner.names = members
 
     def isend(self, buf: Any, peer: int, tag: int) -> Any:
         return self.inner.isend(buf, self.members.index(peer), tag)
@@ -535,7 +537,10 @@ class Renumbered:
         return self.inner.irecv(buf, self.members.index(peer), tag, combine)
 
     def waitall(self, requests: list) -> None:
-        self.inner.waitall(requests)
+        try:
+            self.inner.waitall(requests)
+        except WaitTimeout as late:
+            raise WaitTimeout([self.members[p] for p in late.peers], late.seconds) from None
 
     def sendrecv(self, send: Any, dst: int, recv: Any, src: int, tag: int) -> None:
         self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])

@@ -498,3 +498,38 @@ def test_the_stand_in_refuses_to_free_memory_a_peer_still_maps(peer_device):
 
     results = pycoll.run_local(3, body)
     assert all(opened >= 1 and freed for opened, freed in results)
+
+
+def test_send_recv_errors_name_the_communicators_ranks(peer_device):
+    """A pair's endpoint numbers its two ranks 0 and 1 inside; what it reports names them
+    as the communicator does: a timeout waits for rank 3, a count mismatch is rank 0's."""
+    import threading
+
+    gate = threading.Barrier(4)
+
+    def body():
+        comm = pycoll.world()
+        comm.timeout = 0.3
+        message = None
+        if comm.rank == 0:
+            pycoll.send(device_array(np.ones(4, np.float32)), 3, tag=1)
+            try:
+                pycoll.send(device_array(np.ones(4, np.float32)), 3, tag=2)  # never received
+            except pycoll.CollectiveTimeout as error:
+                message = str(error)
+        elif comm.rank == 3:
+            pycoll.recv(device_array(np.zeros(4, np.float32)), 0, tag=1)
+        gate.wait()
+        return message
+
+    assert "for rank(s) 3" in pycoll.run_local(4, body)[0]
+
+    def mismatch():
+        rank = pycoll.world().rank
+        if rank == 0:
+            pycoll.send(device_array(np.ones(4, np.float32)), 3, tag=1)
+        elif rank == 3:
+            pycoll.recv(device_array(np.zeros(5, np.float32)), 0, tag=1)
+
+    with pytest.raises(ValueError, match="rank 0 sends 16 bytes to rank 3, which expects 20"):
+        pycoll.run_local(4, mismatch)
