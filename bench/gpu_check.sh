@@ -89,4 +89,6 @@ done
 
 echo "gpu tests exit $tests_status, kernel bench exit $bench_status," \
   "collectives exit $collectives_status" | tee "$out/summary.txt"
+# One page with issue 4's bars checked: commit it as bench/results/gpu-<device>.md.
+"$python" bench/summarize_gpu.py "$out" > "$out/gpu-summary.md" 2>&1
 [ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$collectives_status" -eq 0 ]

@@ -1,0 +1,140 @@
+"""bench/gpu_check.sh's folder as one markdown page, with issue 4's bars checked:
+
+* reduce kernels at >= 256 MiB reach >= 90% of the device-to-device copy bandwidth measured
+  in the same run (bytes read plus written; `pycoll bench kernels`), and the fused pair
+  reduction (dst = a op b, the same work as `cupy.add(a, b, out=c)`) is at least as fast as
+  CuPy's add;
+* every multi-rank collective over CUDA IPC has #wrong = 0;
+
+plus which kernel backend was faster (what `kernels/device.py`'s DEFAULT_BACKEND should be).
+
+    python bench/summarize_gpu.py OUT_FOLDER > bench/results/gpu-h200.md
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+BAR_BYTES = 256 << 20
+BAR_OF_COPY = 0.90
+REDUCE_KERNELS = ("reduce", "reduce_pair", "reduce_n", "reduce_copy")
+
+
+def human(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:g} {unit}"
+    return f"{size} B"
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text(errors="replace") if path.exists() else None
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def kernel_section(rows: list[dict]) -> list[str]:
+    """The kernels' table and bars; ``rows``: kernels.json's records."""
+    lines = ["## Kernels (`pycoll bench kernels`)", ""]
+    measured = [r for r in rows if r.get("error") is None]
+    failed = [r for r in rows if r.get("error") is not None]
+    lines += ["| size | dtype | kernel | backend | GB/s (r+w) | of copy | vs cupy add |",
+              "|---|---|---|---|---|---|---|"]
+    for r in measured:
+        of_copy = f"{100 * r['of_copy']:.1f}%" if r["of_copy"] is not None else "-"
+        vs_add = f"{r['vs_cupy_add']:.2f}" if r["vs_cupy_add"] is not None else "-"
+        lines.append(f"| {human(r['size'])} | {r['dtype']} | {r['kernel']} | {r['backend']} | "
+                     f"{r['bandwidth']:.1f} | {of_copy} | {vs_add} |")
+    for r in failed:
+        first = r["error"].strip().splitlines()[0] if r["error"].strip() else "?"
+        lines.append(f"| {human(r['size'])} | {r['dtype']} | {r['kernel']} | {r['backend']} | "
+                     f"failed: {first} | | |")
+    lines.append("")
+    large = [r for r in measured if r["size"] >= BAR_BYTES and r["kernel"] in REDUCE_KERNELS]
+    backends = sorted({r["backend"] for r in large})
+    if not large:
+        return [*lines, f"No reduce kernel was measured at >= {human(BAR_BYTES)}: the bars "
+                        "are not checked.", ""]
+    lines += [f"Bars at >= {human(BAR_BYTES)}, per backend (worst case over kernels, sizes "
+              "and dtypes):", "",
+              "| backend | least of copy | reduce kernels >= 90% of copy | reduce_pair vs cupy "
+              "add (least) | as fast as cupy add |", "|---|---|---|---|---|"]
+    medians = {}
+    for backend in backends:
+        mine = [r for r in large if r["backend"] == backend]
+        least = min(r["of_copy"] for r in mine)
+        medians[backend] = statistics.median(r["of_copy"] for r in mine)
+        pairs = [r["vs_cupy_add"] for r in mine
+                 if r["kernel"] == "reduce_pair" and r["vs_cupy_add"] is not None]
+        vs = f"{min(pairs):.2f}" if pairs else "- (no cupy add)"
+        lines.append(f"| {backend} | {100 * least:.1f}% | {_verdict(least >= BAR_OF_COPY)} | "
+                     f"{vs} | {_verdict(min(pairs) >= 1.0) if pairs else '-'} |")
+    best = max(medians, key=medians.get)
+    lines += ["", f"Faster backend (median fraction of copy at >= {human(BAR_BYTES)}): "
+                  f"**{best}** ({', '.join(f'{b} {100 * m:.1f}%' for b, m in medians.items())})"
+                  " -> kernels/device.py DEFAULT_BACKEND.", ""]
+    return lines
+
+
+def collective_section(folder: Path) -> list[str]:
+    """#wrong and the fastest algorithm per collective, rank count and size."""
+    lines = ["## Collectives over CUDA IPC (`pycoll bench --device cuda --check 1`)", ""]
+    files = sorted(p for p in folder.glob("*-[0-9]*.json"))
+    if not files:
+        return [*lines, "No collective results.", ""]
+    lines += ["| collective | ranks | rows | #wrong | sizes | fastest at the largest size |",
+              "|---|---|---|---|---|---|"]
+    total_wrong = 0
+    for path in files:
+        rows = json.loads(path.read_text())
+        if not rows:
+            continue
+        wrong = sum(r["wrong"] for r in rows)
+        total_wrong += wrong
+        largest = max(r["size"] for r in rows)
+        at_largest = [r for r in rows if r["size"] == largest and r["algorithm"] != "auto"]
+        fastest = min(at_largest, key=lambda r: r["time_us"]) if at_largest else None
+        best = (f"{fastest['algorithm']} ({fastest['busbw']:.1f} GB/s busbw)"
+                if fastest else "-")
+        sizes = f"{human(min(r['size'] for r in rows))} .. {human(largest)}"
+        lines.append(f"| {rows[0]['collective']} | {rows[0]['nranks']} | {len(rows)} | {wrong} | "
+                     f"{sizes} | {best} |")
+    lines += ["", f"Bar, every multi-rank IPC collective #wrong = 0: {_verdict(total_wrong == 0)}"
+                  f" ({total_wrong} wrong values in all).", ""]
+    return lines
+
+
+def main(folder: str) -> str:
+    root = Path(folder)
+    environment = _read(root / "environment.txt") or "(no environment.txt)\n"
+    env_lines = environment.splitlines()
+    header = next((i for i, line in enumerate(env_lines) if line.startswith("name,")), None)
+    # nvidia-smi's CSV: a header, then the device's row
+    device = (env_lines[header + 1].split(",")[0]
+              if header is not None and header + 1 < len(env_lines) else "an unknown device")
+    lines = [f"# GPU check on {device}", "",
+             "Written by `python bench/summarize_gpu.py` from `bash bench/gpu_check.sh`'s "
+             "folder.", ""]
+    summary = _read(root / "summary.txt")
+    lines += ["## Steps", "", "```", (summary or "(no summary.txt: the script did not finish)")
+              .strip(), "```", ""]
+    tests = _read(root / "gpu-tests.txt")
+    last = [line for line in (tests or "").splitlines() if line.strip()]
+    lines += ["## GPU tests", "", "```", last[-1] if last else "(no gpu-tests.txt)", "```", ""]
+    kernels = root / "kernels.json"
+    lines += (kernel_section(json.loads(kernels.read_text())) if kernels.exists()
+              else ["## Kernels", "", "No kernels.json.", ""])
+    lines += collective_section(root)
+    lines += ["## Environment", "", "```", environment.strip(), "```", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python bench/summarize_gpu.py OUT_FOLDER")
+    print(main(sys.argv[1]))
