@@ -468,6 +468,11 @@ def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs:
     """``fn`` run on ``comm``'s async worker (pycoll/work.py): returns a Work whose ``wait()``
     gives ``fn``'s result, or raises its error (bad input included)."""
     comm = _comm(comm, drain=False)
+    space = space_of(args[0]) if args else None
+    if space is not None and space.is_device and kwargs.get("stream", False) is None:
+        # The caller's current stream, not the worker thread's: the call is ordered after
+        # the work queued before it, as a blocking call is (torch.distributed's rule too).
+        kwargs["stream"] = space.current_stream()
     return comm.submit(fn, what, *args, comm=comm, **kwargs)
 
 

@@ -533,3 +533,30 @@ def test_send_recv_errors_name_the_communicators_ranks(peer_device):
 
     with pytest.raises(ValueError, match="rank 0 sends 16 bytes to rank 3, which expects 20"):
         pycoll.run_local(4, mismatch)
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_async_calls_on_device_arrays_run_on_the_callers_stream(device, nranks):
+    """async_op=True without stream=: the call is ordered on the caller's current stream (as
+    a blocking call is), not the async worker's: it sees the work queued before it, and the
+    caller's stream completes it."""
+    inputs = [np.arange(100, dtype=np.int64) * (r + 2) for r in range(nranks)]
+
+    def body(rank):
+        x = device.empty(100, np.int64)  # poisoned until the copy below runs
+        device.copy(x, device_array(inputs[rank]))  # queued on this thread's stream
+        out = pycoll.allreduce(x, algorithm="ring", async_op=True).wait()
+        got = device_array(np.zeros(6, np.int64))
+        if nranks > 1:  # a Send/Recv too, between the first and last rank
+            if rank == 0:
+                pycoll.send(x[:6], nranks - 1, tag=7, async_op=True).wait()
+            elif rank == nranks - 1:
+                pycoll.recv(got, 0, tag=7, async_op=True).wait()
+        device.synchronize()  # this thread's stream only
+        return host_array(out), host_array(got)
+
+    results = pycoll.run_local(nranks, lambda: body(pycoll.world().rank))
+    for rank, (out, got) in enumerate(results):
+        np.testing.assert_array_equal(out, oracle.allreduce(inputs, "sum"))
+        if nranks > 1 and rank == nranks - 1:
+            np.testing.assert_array_equal(got, inputs[0][:6])

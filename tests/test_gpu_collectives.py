@@ -140,3 +140,25 @@ def test_a_rank_killed_with_its_inbox_mapped_ends_the_job():
     assert done.returncode != 0, output
     assert "finished, which it must not" not in output
     assert time.monotonic() - started < 60, output
+
+
+@needs_gpu
+def test_async_calls_run_on_the_callers_stream():
+    """async_op=True without stream=: ordered on the caller's current stream, which the
+    async worker thread does not share; the caller's stream completes the call."""
+    import cupy
+    import numpy as np
+
+    inputs = [np.arange(1 << 16, dtype=np.int64) * (r + 2) for r in range(3)]
+
+    def body():
+        rank = pycoll.world().rank
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            x = cupy.asarray(inputs[rank]) * 1  # queued on stream, before the call
+            out = pycoll.allreduce(x, algorithm="ring", async_op=True).wait()
+        stream.synchronize()
+        return out.get()
+
+    for got in pycoll.run_local(3, body):
+        np.testing.assert_array_equal(got, oracle.allreduce(inputs, "sum"))
