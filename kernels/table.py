@@ -5,9 +5,10 @@ op-specific downstream is derived from it: the CuPy ``name_expressions`` and nvc
 instantiations of the CUDA C templates in ``reduce.cu`` (cuda_c.py, the tests), the Numba
 kernels and their signatures (numba_cuda.py), and the test matrices.
 
-The GPU supports every dtype of the host reducer except complex (no CUDA C kernels for
-it; collectives on complex data stay on the host path), with all four combining ops;
-``avg`` combines as ``sum`` and divides once, in ``finish``.
+The GPU supports every dtype of the host reducer except complex (no kernels for it:
+complex device arrays reduce as their float (real, imaginary) pairs, sum and avg only; see
+pycoll/spaces.py ``complex_as_real``), with all four combining ops; ``avg`` combines as
+``sum`` and divides once, in ``finish``.
 """
 
 from __future__ import annotations

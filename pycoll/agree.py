@@ -36,13 +36,14 @@ def enabled_by_default() -> bool:
     return text == "1"
 
 
-FIELDS = ("collective", "algorithm", "op", "dtype", "count", "counts", "root", "sequence")
+FIELDS = ("collective", "algorithm", "op", "dtype", "memory", "count", "counts", "root",
+          "sequence")
 _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
 def signature(
     collective: str, algorithm: str, op: str | None, dtype: np.dtype, count: int | None,
-    counts: tuple[int, ...] | None, root: int | None, sequence: int,
+    counts: tuple[int, ...] | None, root: int | None, sequence: int, memory: str = "host",
 ) -> tuple:
     """What every rank must agree on, in the order of :data:`FIELDS`; None for what does not
     apply (or may differ)."""
@@ -52,7 +53,7 @@ def signature(
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)
-    return (collective, algorithm, op, name, count, counts, root, sequence)
+    return (collective, algorithm, op, name, memory, count, counts, root, sequence)
 
 
 def agree(comm: Any, values: tuple) -> None:

@@ -429,7 +429,7 @@ def plan(
 
     space = spaces.CUDA if device else spaces.HOST
     return select.plan_for(kind, int(nbytes), comm.size, algorithm,
-                           select.topology_for(comm, space), dtype.itemsize,
+                           select.topology_for(comm, space, alone=True), dtype.itemsize,
                            _root(root, comm, "plan"))
 
 
@@ -694,7 +694,7 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
         count, counts = x.size, blocks
     agree.agree(comm, agree.signature(
         collective.value, str(algorithm), None if op is None else op.value, x.dtype, count,
-        counts, root, comm.agreements,
+        counts, root, comm.agreements, space_of(x).name,
     ))
 
 

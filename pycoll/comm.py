@@ -72,6 +72,7 @@ class Communicator:
         self.topologies: dict[str, Any] = {}  # per kind of transport: the costs selection uses
         self._buffers: dict[tuple, Any] = {}
         self._host: Any = None  # the host arrays' endpoint, made by the first collective
+        self._host_kind: str | None = None  # what it is (host_kind), fixed at first use
         self._shared: Any = None  # its shared-memory part, when ranks share a node
         self._node_comm: Any = None
         self._one_shot_by: dict[Any, tuple] = {}
@@ -162,8 +163,15 @@ class Communicator:
     def host_kind(self) -> str:
         """The kind of transport host arrays take, as tuning files name it: "shm" (some ranks
         share a node), "mpi", or "local" (in-process threads); the same on every rank, so
-        that every rank chooses alike."""
-        self.host_transport()
+        that every rank chooses alike. Read off the layout: making no transport, it may be
+        asked on one rank alone."""
+        if self._host_kind is None:
+            mode = _host_transport_mode()
+            kind = "mpi" if self.mpi_comm is not None else "local"
+            if not (self.size == 1 or mode == "mpi" or (mode == "auto" and self.mpi_comm is None)
+                    ) and len(set(self.nodes())) < self.size:
+                kind = "shm"
+            self._host_kind = kind
         return self._host_kind
 
     def node_transport(self) -> Any:
@@ -196,14 +204,10 @@ class Communicator:
         from pycoll.bindings import shm
         from pycoll.bindings.routed import Delivered, RoutedTransport
 
-        mode = _host_transport_mode()
-        self._host_kind = "mpi" if self.mpi_comm is not None else "local"
-        if self.size == 1 or mode == "mpi" or (mode == "auto" and self.mpi_comm is None):
+        if self.host_kind() in ("mpi", "local"):  # messages only
             return self.transport
         ring, small = shm.ring_bytes_from_env(), shm.small_bytes_from_env()
         nodes = self.nodes()
-        if len(set(nodes)) < self.size:  # some ranks share a node
-            self._host_kind = "shm"
         local = [r for r in range(self.size) if nodes[r] == nodes[self.rank]]
         if self.mpi_comm is not None:
             self._node_comm = self.mpi_comm.Split(nodes[self.rank], self.rank)
@@ -332,8 +336,7 @@ class Communicator:
         communicator raise."""
         if self.freed:
             return
-        if self._device_transports:
-            self.free_device_buffers()
+        self.free_device_buffers()  # collective even where this rank made no device endpoint
         from pycoll.api import barrier
 
         barrier(self)  # nobody still reads a peer's memory
@@ -356,6 +359,8 @@ class Communicator:
         rank's own (memory must outlive every mapping of it) and the device endpoints' MPI
         communicators. Collective: every rank calls it; the next device collective makes new
         buffers."""
+        if self.queue is not None and self.queue.busy:
+            self.queue.drain()  # async calls queued before may still use the endpoints
         inside = _reachable(*self._device_transports.values())
         self._device_transports = {}
         endpoints = [t for t in inside if isinstance(t, PeerMemoryTransport)]

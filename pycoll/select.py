@@ -191,23 +191,25 @@ def _exact(key: tuple, topology: model.Topology, itemsize: int, count: int) -> f
     return model.play(model.programs(schedule, count), topology, itemsize).seconds
 
 
-def topology_for(comm, space) -> model.Topology:
+def topology_for(comm, space, alone: bool = False) -> model.Topology:
     """The costs for ``comm``'s transport to ``space``'s arrays: tuned (at the nearest rank
     count), else the defaults. Under MPI rank 0 reads the tuning file and every rank uses its
-    copy, so that all ranks choose alike."""
+    copy, so that all ranks choose alike; ``alone``: this rank is asking on its own (no
+    broadcast: it reads the file itself, unless the agreed costs are known already)."""
     kind = "cuda" if space.is_device else comm.host_kind()
     cached = comm.topologies.get(kind)
     if cached is not None:
         return cached
     tuned = None
-    if comm.rank == 0 or comm.mpi_comm is None:
+    if alone or comm.rank == 0 or comm.mpi_comm is None:
         tuned = model.nearest(model.load_tuning().get(kind, []), comm.size)
-    if comm.mpi_comm is not None:
+    if comm.mpi_comm is not None and not alone:
         tuned = comm.transport.comm.bcast(tuned, root=0)
     # the ranks' actual nodes: which links are between nodes, and whether hierarchical
     # schedules apply
     topology = replace(tuned or DEFAULTS[kind], ranks_per_node=comm.ranks_per_node)
-    comm.topologies[kind] = topology
+    if not alone:  # only what every rank holds alike is kept
+        comm.topologies[kind] = topology
     return topology
 
 

@@ -116,10 +116,10 @@ class CudaSpace:
         return int(x.data.ptr)
 
     def reducer(self, op: ReduceOp, dtype: np.dtype) -> Callable[..., None]:
-        return _gpu_kernels().reducer(op, dtype)
+        return complex_as_real(_gpu_kernels().reducer, op, dtype)
 
     def finish(self, work: Any, op: ReduceOp, nranks: int) -> None:
-        _gpu_kernels().finish(work, op, nranks)
+        _gpu_kernels().finish(real_view(work), op, nranks)
 
     def current_stream(self) -> Any:
         return self._cupy.cuda.get_current_stream()
@@ -194,6 +194,32 @@ class CudaSpace:
 
     def to_device(self, dst: Any, src: np.ndarray) -> None:
         dst.set(src, stream=self.current_stream())
+
+
+def complex_as_real(reducer_of: Callable[[ReduceOp, np.dtype], Callable[..., None]],
+                    op: ReduceOp, dtype: Any) -> Callable[..., None]:
+    """A device reducer for ``dtype``: ``reducer_of(op, dtype)``, the kernels' own, except for
+    complex data, which has no kernels: sum and avg are the same reductions of the float
+    (real, imaginary) pairs (as NCCL users view complex tensors as real); prod is not."""
+    dtype = np.dtype(dtype)
+    if dtype.kind != "c":
+        return reducer_of(op, dtype)
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise TypeError(f"op={op.value!r} on {dtype.name} device arrays has no GPU kernel; "
+                        "allowed for complex device arrays: sum, avg")
+    real = np.dtype(f"f{dtype.itemsize // 2}")
+    reduce = reducer_of(op, real)
+
+    def reduce_pairs(dst: Any, src: Any, first: Any = None) -> None:
+        reduce(dst.view(real), src.view(real), None if first is None else first.view(real))
+
+    return reduce_pairs
+
+
+def real_view(work: Any) -> Any:
+    """``work`` as its float (real, imaginary) pairs when complex (see ``complex_as_real``)."""
+    kind = np.dtype(work.dtype)
+    return work.view(np.dtype(f"f{kind.itemsize // 2}")) if kind.kind == "c" else work
 
 
 def _round_up(n: int, unit: int) -> int:

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from pycoll import kernels
+from pycoll import kernels, spaces
+from pycoll.kernels import table
 
 POISON = 0xA5  # fresh device memory holds this byte, never zeros
 
@@ -268,7 +269,11 @@ class FakeDevice:
         return x.__array_interface__["data"][0]
 
     def reducer(self, op: Any, dtype: Any):
-        host = kernels.reducer(op, np.dtype(dtype))
+        # as the GPU space: complex as float pairs, and only what GPU kernels exist for
+        return spaces.complex_as_real(self._kernel_reducer, kernels.ReduceOp.parse(op), dtype)
+
+    def _kernel_reducer(self, op: Any, dtype: Any):
+        host = kernels.reducer(op, table.gpu_dtype(dtype).dtype)
 
         def reduce(dst: Any, src: Any, first: Any = None) -> None:
             def run() -> None:
@@ -282,6 +287,8 @@ class FakeDevice:
         return reduce
 
     def finish(self, work: Any, op: Any, nranks: int) -> None:
+        work = spaces.real_view(work)
+        table.gpu_dtype(work.dtype)
         kernels.finish(np.empty(0, work.dtype), op, nranks)  # validate now, as a launch would
         host = np.asarray(work).view(np.ndarray)
         self._enqueue(lambda: kernels.finish(host, op, nranks), "finish")

@@ -113,3 +113,24 @@ def test_a_bad_setting_is_named(monkeypatch):
     monkeypatch.setenv("PYCOLL_CHECK", "yes")
     with pytest.raises(ValueError, match="PYCOLL_CHECK='yes' is invalid; allowed: 0 or 1"):
         pycoll.run_local(2, lambda: pycoll.allreduce(np.ones(2)))
+
+
+def test_host_and_device_arrays_in_one_collective_are_named():
+    """One rank passing device arrays where the others pass numpy: named, not a hang."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fake_device import FakeDevice, device_array
+
+    from pycoll import spaces
+
+    fake = FakeDevice(seed=3, name="fake-agree")
+    spaces.register(fake)
+    try:
+        errors = mismatch_on_every_rank(lambda r: pycoll.allreduce(
+            device_array(np.ones(8, np.float32)) if r == 1 else np.ones(8, np.float32)))
+    finally:
+        spaces.unregister(fake)
+    for error in errors:
+        assert 'memory: "host" on ranks 0, 2; "fake-agree" on rank 1' in error, error

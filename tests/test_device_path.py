@@ -68,7 +68,8 @@ def cases(collective):
 
 def pick(index, reducing=True):
     dtype = ALL_DTYPES[index % len(ALL_DTYPES)]
-    ops = ops_for(dtype)
+    # complex device arrays reduce as float pairs: sum and avg (prod: test below)
+    ops = [op for op in ops_for(dtype) if not (dtype.kind == "c" and op == "prod")]
     return dtype, (ops[(index // len(ALL_DTYPES)) % len(ops)] if reducing else None)
 
 
@@ -560,3 +561,63 @@ def test_async_calls_on_device_arrays_run_on_the_callers_stream(device, nranks):
         np.testing.assert_array_equal(out, oracle.allreduce(inputs, "sum"))
         if nranks > 1 and rank == nranks - 1:
             np.testing.assert_array_equal(got, inputs[0][:6])
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+def test_complex_device_arrays_reduce_as_float_pairs(device, dtype):
+    """No GPU kernel takes complex data: sum and avg reduce the (real, imaginary) pairs with
+    the float kernels; prod is refused on every rank, naming what is allowed."""
+    inputs = [(np.arange(7) + 1j * (np.arange(7) - r)).astype(dtype) for r in range(3)]
+    for op in ("sum", "avg"):
+        results = on_device(device, 3, lambda r, op=op: pycoll.allreduce(
+            device_array(inputs[r]), op, algorithm="ring"))
+        for result in results:
+            np.testing.assert_array_equal(result, oracle.allreduce(inputs, op))
+
+    def product():
+        with pytest.raises(TypeError, match="op='prod' on complex.* device arrays has no GPU "
+                                            "kernel; allowed for complex device arrays: sum, avg"):
+            pycoll.allreduce(device_array(inputs[pycoll.world().rank]), "prod")
+        return True
+
+    assert pycoll.run_local(3, product) == [True] * 3
+
+
+def test_freeing_waits_for_async_calls_still_queued(peer_device):
+    """free_device_buffers() and free() first finish the async calls queued before them,
+    which use the endpoints they free (torch.distributed lets a group be destroyed so)."""
+    for free in ("free_device_buffers", "free"):
+        def body(free=free):
+            comm = pycoll.world()
+            x = device_array(np.arange(3000, dtype=np.int64) + comm.rank)
+            pycoll.allreduce(x, algorithm="ring")  # the endpoint exists
+            work = pycoll.allreduce(x, algorithm="ring", async_op=True)
+            getattr(comm, free)()  # no wait() before
+            out = work.wait()
+            peer_device.synchronize()
+            return host_array(out)
+
+        for seed in range(4):
+            peer_device._rng.seed(seed)
+            for out in pycoll.run_local(3, body):
+                np.testing.assert_array_equal(out, np.arange(3000) * 3 + 3)
+
+
+def test_free_is_collective_where_only_a_pair_has_device_endpoints(device):
+    """After a device Send/Recv between ranks 1 and 2 only, every rank's free() takes the
+    same collective steps (rank 0 has no device endpoint to free)."""
+
+    def body():
+        comm = pycoll.world()
+        pycoll.allreduce(np.ones(4))
+        got = device_array(np.zeros(4, np.float32))
+        if comm.rank == 1:
+            pycoll.send(device_array(np.ones(4, np.float32)), 2)
+        elif comm.rank == 2:
+            pycoll.recv(got, 1)
+        device.synchronize()
+        comm.free()
+        return host_array(got)
+
+    results = pycoll.run_local(3, body)
+    assert results[2].tolist() == [1.0] * 4 and results[0].tolist() == [0.0] * 4

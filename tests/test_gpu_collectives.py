@@ -162,3 +162,20 @@ def test_async_calls_run_on_the_callers_stream():
 
     for got in pycoll.run_local(3, body):
         np.testing.assert_array_equal(got, oracle.allreduce(inputs, "sum"))
+
+
+@needs_gpu
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_complex_cupy_arrays_reduce_as_float_pairs(op):
+    import cupy
+    import numpy as np
+
+    inputs = [(np.arange(1000) + 1j * (np.arange(1000) - r)).astype(np.complex64)
+              for r in range(3)]
+
+    def call(rank, stream):
+        with stream:
+            return pycoll.allreduce(cupy.asarray(inputs[rank]), op, stream=stream)
+
+    for got in _on_gpu(3, call):
+        np.testing.assert_array_equal(got, oracle.allreduce(inputs, op))

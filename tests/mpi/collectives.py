@@ -162,12 +162,25 @@ def check_point_to_point_and_groups() -> None:
     pycoll.barrier()
 
 
+def check_plan_on_one_rank() -> None:
+    """pycoll.plan takes no collective step: one rank may call it alone, on a communicator
+    that has run nothing yet, for host and device arrays."""
+    fresh = pycoll.Communicator()
+    if RANK == P - 1:
+        for device in (False, True):
+            chosen = pycoll.plan("allreduce", 1 << 20, fresh, device=device)
+            case(f"plan alone (device={device})", np.array(chosen.nbytes), np.array(1 << 20))
+    pycoll.barrier(fresh)
+    fresh.free()
+
+
 for index, count in enumerate([0, 1, P + 1, 13, 1000]):
     run(f"reducing n={count}", partial(check_reducing, index, count))
     run(f"moving n={count}", partial(check_moving, index, count))
 for per_peer in (0, 1, 3):
     run(f"alltoall {per_peer}", partial(check_alltoall, per_peer))
 run("point to point and groups", check_point_to_point_and_groups)
+run("plan on one rank", check_plan_on_one_rank)
 
 totals = native.allreduce(np.array([passed, failed]), op=MPI.SUM)
 if RANK == 0:
