@@ -469,11 +469,22 @@ def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs:
     gives ``fn``'s result, or raises its error (bad input included)."""
     comm = _comm(comm, drain=False)
     space = space_of(args[0]) if args else None
-    if space is not None and space.is_device and kwargs.get("stream", False) is None:
-        # The caller's current stream, not the worker thread's: the call is ordered after
-        # the work queued before it, as a blocking call is (torch.distributed's rule too).
-        kwargs["stream"] = space.current_stream()
+    if space is not None and space.is_device:
+        # The caller's current stream and device, not the worker thread's: the call is
+        # ordered after the work queued before it, as a blocking call is (torch.distributed's
+        # rule too), on the caller's GPU (CUDA's current device is per thread).
+        if kwargs.get("stream", False) is None:
+            kwargs["stream"] = space.current_stream()
+        fn = _on_device(fn, space, space.current_device())
     return comm.submit(fn, what, *args, comm=comm, **kwargs)
+
+
+def _on_device(fn: Any, space: Any, device: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with space.on_device(device):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def _comm(comm: Communicator | None, drain: bool = True) -> Communicator:

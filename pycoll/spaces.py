@@ -124,6 +124,13 @@ class CudaSpace:
     def current_stream(self) -> Any:
         return self._cupy.cuda.get_current_stream()
 
+    def current_device(self) -> int:
+        return self._cupy.cuda.runtime.getDevice()
+
+    def on_device(self, device: int) -> Any:
+        """Make ``device`` current in this thread (CUDA's current device is per thread)."""
+        return self._cupy.cuda.Device(device)
+
     @contextlib.contextmanager
     def using(self, stream: Any) -> Iterator[None]:
         if stream is None:

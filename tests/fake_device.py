@@ -182,6 +182,18 @@ class FakeDevice:
             self._streams.append(stream)
         return stream
 
+    def current_device(self) -> int:
+        return getattr(self._local, "device", 0)
+
+    @contextlib.contextmanager
+    def on_device(self, device: int) -> Iterator[None]:
+        saved = self.current_device()
+        self._local.device = device
+        try:
+            yield
+        finally:
+            self._local.device = saved
+
     def current_stream(self) -> FakeStream:
         stream = getattr(self._local, "stream", None)
         if stream is None:

@@ -621,3 +621,27 @@ def test_free_is_collective_where_only_a_pair_has_device_endpoints(device):
 
     results = pycoll.run_local(3, body)
     assert results[2].tolist() == [1.0] * 4 and results[0].tolist() == [0.0] * 4
+
+
+def test_async_calls_run_on_the_callers_device(device, monkeypatch):
+    """CUDA's current device is per thread: the async worker takes the caller's for each
+    call, so a rank on GPU 1 is not served on GPU 0."""
+    seen = []
+    copy = device.copy
+
+    def copy_noting_the_device(dst, src):
+        seen.append(device.current_device())
+        copy(dst, src)
+
+    monkeypatch.setattr(device, "copy", copy_noting_the_device)
+
+    def body():
+        with device.on_device(1):
+            x = device_array(np.ones(50, np.int32))
+            out = pycoll.allreduce(x, algorithm="ring", async_op=True).wait()
+        device.synchronize()
+        return host_array(out)
+
+    for out in pycoll.run_local(2, body):
+        assert out.tolist() == [2] * 50
+    assert seen and set(seen) == {1}
