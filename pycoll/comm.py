@@ -392,7 +392,12 @@ class Communicator:
         if self.mpi_comm is not None:
             MPI = mpi()
             child = self.mpi_comm.Split(MPI.UNDEFINED if color is None else color, key)
-            return None if child == MPI.COMM_NULL else Communicator(child)
+            if child == MPI.COMM_NULL:
+                return None
+            made = Communicator(child)
+            # the parent's nodes, simulated ones too (PYCOLL_RANKS_PER_NODE)
+            made._nodes = _first_seen_order(child.allgather(self.nodes()[self.rank]))
+            return made
         from pycoll.api import allgather
 
         self._splits += 1
@@ -403,13 +408,22 @@ class Communicator:
         members = sorted((int(k), r) for r, (c, k) in enumerate(table) if c == color)
         group = [r for _, r in members]
         channel = f"{self.transport.channel}/{self._splits}:{color}"
-        return Communicator._over(
+        made = Communicator._over(
             self.transport.subgroup(group, channel), self.p2p.subgroup(group, channel + "/p2p")
         )
+        parent_nodes = self.nodes()
+        made._nodes = _first_seen_order([parent_nodes[r] for r in group])
+        return made
 
     def __repr__(self) -> str:
         kind = "MPI" if self.mpi_comm is not None else "in-process"
         return f"Communicator(rank={self.rank}, size={self.size}, {kind})"
+
+
+def _first_seen_order(nodes: list[int]) -> list[int]:
+    """Node numbers 0 upward in order of each node's first (lowest) rank."""
+    number: dict[int, int] = {}
+    return [number.setdefault(node, len(number)) for node in nodes]
 
 
 def _valid_timeout(value: Any, name: str) -> float | None:

@@ -74,3 +74,22 @@ def test_split_rejects_bad_colors(color):
 def test_new_group_rejects_bad_rank_lists(ranks):
     with pytest.raises(ValueError, match="new_group: ranks=.* is invalid"):
         pycoll.run_local(2, lambda: pycoll.new_group(ranks))
+
+
+def test_sub_communicators_keep_the_parents_nodes(monkeypatch):
+    """With simulated nodes (PYCOLL_RANKS_PER_NODE=2 over 4 ranks: {0, 1}, {2, 3}), a
+    sub-communicator's ranks stay on their nodes, renumbered in order of first rank."""
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", "2")
+
+    def body():
+        rank = pycoll.world().rank
+        middle = pycoll.new_group([1, 2])
+        parity = pycoll.world().split(rank % 2)
+        pairs = pycoll.world().split(rank // 2)
+        return (None if middle is None else middle.nodes(), parity.nodes(), pairs.nodes(),
+                pairs.ranks_per_node)
+
+    results = pycoll.run_local(4, body)
+    assert results[1][0] == results[2][0] == [0, 1]
+    assert all(parity == [0, 1] for _, parity, _, _ in results)
+    assert all(pairs == [0, 0] and k == 0 for _, _, pairs, k in results)  # one node each

@@ -174,6 +174,17 @@ def check_plan_on_one_rank() -> None:
     fresh.free()
 
 
+def check_split_keeps_nodes() -> None:
+    """A sub-communicator's ranks stay on their nodes (simulated ones too)."""
+    world = pycoll.world()
+    half = world.split(RANK % 2)
+    members = [r for r in range(P) if r % 2 == RANK % 2]
+    first_seen: dict[int, int] = {}
+    want = [first_seen.setdefault(world.nodes()[r], len(first_seen)) for r in members]
+    case("split keeps nodes", np.array(half.nodes()), np.array(want))
+    half.free()
+
+
 for index, count in enumerate([0, 1, P + 1, 13, 1000]):
     run(f"reducing n={count}", partial(check_reducing, index, count))
     run(f"moving n={count}", partial(check_moving, index, count))
@@ -181,6 +192,7 @@ for per_peer in (0, 1, 3):
     run(f"alltoall {per_peer}", partial(check_alltoall, per_peer))
 run("point to point and groups", check_point_to_point_and_groups)
 run("plan on one rank", check_plan_on_one_rank)
+run("split keeps nodes", check_split_keeps_nodes)
 
 totals = native.allreduce(np.array([passed, failed]), op=MPI.SUM)
 if RANK == 0:
