@@ -376,10 +376,12 @@ def send(
     (in-process always; device arrays: the copy is enqueued on ``dst``'s stream), or MPI has
     buffered it (a short message, as MPI_Send may). Programs must not rely on either."""
     if async_op:
-        return _submit(send, "send", x, dst, tag, comm=comm, stream=stream)
-    comm = _comm(comm)
+        return _submit(send, "send", x, dst, tag, comm=comm, stream=stream,
+                       lane=_lane("send", dst))
+    comm = _comm(comm, drain=False)  # Send/Recv are ordered per peer, not with collectives
     space = _space(x, "send")
     dst = _peer(dst, comm, "send", "dst")
+    comm.drain(("send", dst))
     with space.using(stream):
         _point_to_point(comm, x, x, comm.rank, dst, _tag(tag, "send"))
 
@@ -390,11 +392,13 @@ def recv(
 ) -> Array:
     """Receive into ``out`` what rank ``src`` sends with ``tag``; returns ``out``."""
     if async_op:
-        return _submit(recv, "recv", out, src, tag, comm=comm, stream=stream)
-    comm = _comm(comm)
+        return _submit(recv, "recv", out, src, tag, comm=comm, stream=stream,
+                       lane=_lane("recv", src))
+    comm = _comm(comm, drain=False)
     space = _space(out, "recv", "out")
     _writable(out, "out", "recv")
     src = _peer(src, comm, "recv", "src")
+    comm.drain(("recv", src))
     with space.using(stream):
         _point_to_point(comm, out, out, src, comm.rank, _tag(tag, "recv"))
     return out
@@ -479,6 +483,12 @@ def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs:
     return comm.submit(fn, what, *args, comm=comm, **kwargs)
 
 
+def _lane(direction: str, peer: Any) -> tuple[str, int]:
+    """The async worker of Send/Recv with ``peer`` (a bad peer's error comes at wait())."""
+    valid = isinstance(peer, int | np.integer) and not isinstance(peer, bool)
+    return direction, int(peer) if valid else -1
+
+
 def _on_device(fn: Any, space: Any, device: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         with space.on_device(device):
@@ -496,8 +506,8 @@ def _comm(comm: Communicator | None, drain: bool = True) -> Communicator:
         raise RuntimeError(f"{comm!r} was freed (Communicator.free); allowed: a live one")
     if comm.broken is not None:
         raise RuntimeError(f"{comm!r} is broken ({comm.broken}); make a new communicator")
-    if drain and comm.queue is not None and comm.queue.busy:
-        comm.queue.drain()  # a blocking call runs after the async ones queued before it
+    if drain:
+        comm.drain()  # a blocking call runs after the async ones queued before it
     return comm
 
 

@@ -60,6 +60,7 @@ class Communicator:
         self._splits = 0
         self.freed = False
         self.queue: Any = None  # async collectives' worker (pycoll/work.py), made on first use
+        self.lanes: dict[tuple[str, int], Any] = {}  # async Send/Recv's (see submit)
         self.broken: str | None = None  # why later calls must fail at once (a timeout)
         self._timeout = _timeout_from_env()
         self._apply_timeout()
@@ -79,22 +80,37 @@ class Communicator:
         self._nodes: list[int] | None = None
         self._traffic: Traffic | None = None
 
-    def submit(self, fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
+    def submit(self, fn: Callable[..., Any], what: str, *args: Any,
+               lane: tuple[str, int] | None = None, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` (a collective on this communicator) on its worker;
-        returns a :class:`pycoll.work.Work`."""
+        returns a :class:`pycoll.work.Work`. ``lane``: ``("send", peer)`` or ``("recv",
+        peer)``: async Send/Recv run on a worker per direction and peer, in call order there,
+        so that a receive waiting for its message holds back no send (as MPI's Irecv and
+        Isend)."""
         from pycoll.work import AsyncQueue
 
-        if self.queue is None and self.mpi_comm is not None:
-            MPI = mpi()
-            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-                raise RuntimeError(
-                    "async_op=True needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's "
-                    f"default); this process has thread level {MPI.Query_thread()}"
-                )
-        if self.queue is None:
+        queue = self.queue if lane is None else self.lanes.get(lane)
+        if queue is None:
+            if self.mpi_comm is not None:
+                MPI = mpi()
+                if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                    raise RuntimeError(
+                        "async_op=True needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's "
+                        f"default); this process has thread level {MPI.Query_thread()}"
+                    )
             world = getattr(self.transport, "world", None)  # in-process only
-            self.queue = AsyncQueue(world, getattr(self.transport, "world_rank", 0))
-        return self.queue.submit(fn, what, *args, **kwargs)
+            queue = AsyncQueue(world, getattr(self.transport, "world_rank", 0))
+            if lane is None:
+                self.queue = queue
+            else:
+                self.lanes[lane] = queue
+        return queue.submit(fn, what, *args, **kwargs)
+
+    def drain(self, lane: tuple[str, int] | None = None) -> None:
+        """Let the async work queued on ``lane`` (None: the collectives') finish first."""
+        queue = self.queue if lane is None else self.lanes.get(lane)
+        if queue is not None and queue.busy:
+            queue.drain()
 
     @property
     def timeout(self) -> float | None:
@@ -359,8 +375,8 @@ class Communicator:
         rank's own (memory must outlive every mapping of it) and the device endpoints' MPI
         communicators. Collective: every rank calls it; the next device collective makes new
         buffers."""
-        if self.queue is not None and self.queue.busy:
-            self.queue.drain()  # async calls queued before may still use the endpoints
+        for lane in [None, *self.lanes]:  # async calls queued before may use the endpoints
+            self.drain(lane)
         inside = _reachable(*self._device_transports.values())
         self._device_transports = {}
         endpoints = [t for t in inside if isinstance(t, PeerMemoryTransport)]

@@ -3,7 +3,8 @@
 Each communicator runs its async collectives one after another, in the order they were
 called, on a worker thread of its own, so async collectives on different communicators overlap
 each other and the caller's own work. A blocking call on a communicator first lets its queued
-async collectives finish, so every rank still sees one order per communicator.
+async collectives finish, so every rank still sees one order per communicator. Async Send/Recv
+have a worker per direction and peer (``Communicator.submit``'s lanes).
 
 The contract is the seed's completion rule: until ``wait()`` returns, the output may not be
 read and the input may not be changed.

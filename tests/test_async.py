@@ -135,3 +135,41 @@ def test_a_rank_busy_beside_its_async_work_is_no_deadlock(park):
 
     for result in run(2, body):
         np.testing.assert_array_equal(result, np.full(4, 3.0))
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_async_send_and_recv_post_like_irecv_and_isend(nranks):
+    """A posted receive holds back no send (each direction and peer has its own worker), and
+    a blocking receive does not wait for this rank's own queued sends: the exchanges MPI's
+    Irecv/Isend and torch.distributed's ring tutorial make, which queued one after another
+    would deadlock."""
+
+    def body():
+        rank = pycoll.world().rank
+        right, left = (rank + 1) % nranks, (rank - 1) % nranks
+        got, got_big = np.empty(4), np.empty(1 << 16)
+        receiving = pycoll.recv(got, left, tag=7, async_op=True)
+        sending = pycoll.send(np.full(4, float(rank)), right, tag=7, async_op=True)
+        sending.wait()
+        receiving.wait()
+        sending = pycoll.send(np.full(1 << 16, float(rank)), right, tag=8, async_op=True)
+        pycoll.recv(got_big, left, tag=8)
+        sending.wait()
+        return got[0], got_big[-1]
+
+    for rank, (small, big) in enumerate(pycoll.run_local(nranks, body)):
+        assert small == big == (rank - 1) % nranks
+
+
+def test_async_sends_to_one_peer_arrive_in_call_order():
+    def body():
+        rank = pycoll.world().rank
+        if rank == 0:
+            works = [pycoll.send(np.full(3, float(i)), 1, tag=5, async_op=True)
+                     for i in range(20)]
+            for work in works:
+                work.wait()
+            return None
+        return [pycoll.recv(np.empty(3), 0, tag=5)[0] for _ in range(20)]
+
+    assert pycoll.run_local(2, body)[1] == [float(i) for i in range(20)]

@@ -1,4 +1,5 @@
-"""Run under mpiexec: async collectives on two communicators overlap; both results right."""
+"""Run under mpiexec: async collectives on two communicators overlap; both results right;
+async Send/Recv post like MPI's Irecv/Isend (no send waits behind a receive)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ third = pycoll.allgather(small, comm=other, async_op=True)
 ok = int(np.array_equal(second.wait(), np.full(7, P - 1)))
 ok += int(np.array_equal(first.wait(), P * np.arange(300_000) + P * (P - 1) // 2))
 ok += int(np.array_equal(third.wait(), np.repeat(np.arange(P, dtype=np.int32), 7)))
+# Send/Recv as MPI's Irecv/Isend: a posted receive holds back no send, and a blocking
+# receive does not wait for this rank's own queued send (torch.distributed's ring pattern).
+right, left = (RANK + 1) % P, (RANK - 1) % P
+got, got_big = np.empty(4), np.empty(1 << 20)
+receiving = pycoll.recv(got, left, tag=7, async_op=True)
+sending = pycoll.send(np.full(4, float(RANK)), right, tag=7, async_op=True)
+sending.wait()
+receiving.wait()
+sending = pycoll.send(np.full(1 << 20, float(RANK)), right, tag=8, async_op=True)
+pycoll.recv(got_big, left, tag=8)
+sending.wait()
+ok += int(got[0] == left and got_big[-1] == left)
 total = int(pycoll.allreduce(np.array([ok]))[0])
 if RANK == 0:
-    print(f"async on {P} ranks: {total} of {3 * P} right", flush=True)
+    print(f"async on {P} ranks: {total} of {4 * P} right", flush=True)
