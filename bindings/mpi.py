@@ -60,19 +60,19 @@ class MPITransport:
             self._peer_of[id(request)] = peer
         return request
 
-    def waitall(self, requests: list) -> None:
+    def waitall(self, requests: list, statuses: list | None = None) -> None:
         if self.timeout is not None:
-            self._wait_until(requests, time.monotonic() + self.timeout)
+            self._wait_until(requests, time.monotonic() + self.timeout, statuses)
         elif len(requests) == 1:
-            requests[0].Wait()
+            requests[0].Wait(None if statuses is None else statuses[0])
         elif requests:
-            self._MPI.Request.Waitall(requests)
+            self._MPI.Request.Waitall(requests, statuses)
 
-    def _wait_until(self, requests: list, deadline: float) -> None:
+    def _wait_until(self, requests: list, deadline: float, statuses: list | None) -> None:
         """Test until done; past ``deadline``, cancel nothing (MPI cannot take a send back)
         and raise WaitTimeout naming the peers of the requests still open."""
         polls = 0
-        while not self._MPI.Request.Testall(requests):
+        while not self._MPI.Request.Testall(requests, statuses):
             polls += 1
             if polls > 100:
                 if time.monotonic() > deadline:
@@ -95,6 +95,37 @@ class MPITransport:
 
     def free(self) -> None:
         self.comm.Free()
+
+
+class CountedMPITransport(MPITransport):
+    """Send/Recv's endpoint: a message shorter than its receive buffer is an error, as
+    in-process (MPI itself delivers it silently into the buffer's start)."""
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        self._expected: dict[int, tuple[int, int, int]] = {}  # id(request) -> bytes, peer, tag
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int):
+        request = super().irecv(buf, peer, tag)
+        self._expected[id(request)] = (buf.nbytes, peer, tag)
+        return request
+
+    def waitall(self, requests: list, statuses: list | None = None) -> None:
+        statuses = [self._MPI.Status() for _ in requests]
+        super().waitall(requests, statuses)
+        for request, status in zip(requests, statuses):
+            expected = self._expected.pop(id(request), None)
+            if expected is None:
+                continue
+            nbytes, peer, tag = expected
+            got = status.Get_count(self._byte)
+            if got != nbytes:
+                raise ValueError(
+                    f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
+                    f"received {got}; the ranks disagree on counts")
+
+    def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
+        self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
 
 
 def node_of_each_rank(mpi_comm: Any) -> list[int]:

@@ -561,9 +561,11 @@ def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
     """Validate per-rank row counts, or split ``rows`` evenly when ``counts`` is None."""
     if counts is None:
         if rows % nranks:
+            remedy = ("use alltoallv(x, send_counts)" if collective == "alltoall"
+                      else "pass counts=[...]")
             raise ValueError(
                 f"{collective}: {what}={rows} does not divide by the {nranks} ranks; "
-                f"pass counts=[...] ({nranks} row counts summing to {rows})"
+                f"{remedy} ({nranks} row counts summing to {rows})"
             )
         return split(rows, nranks)
     try:
@@ -658,10 +660,7 @@ def _run(
     repeated small call does one dictionary lookup before moving data.
     """
     if comm.check and not comm.agreeing and collective is not Collective.SENDRECV:
-        try:
-            _agree(comm, collective, x, op, algorithm, blocks, root)
-        except WaitTimeout as late:
-            raise _timed_out(comm, f"{collective.value} (agreement check)", late) from None
+        _agree(comm, collective, x, op, algorithm, blocks, root)
     space = space_of(x)
     # PYCOLL_ALGO is read when a call shape is first prepared (see select.py)
     key = (collective, algorithm, x.dtype, x.size, op, root, peer, input_blocks, blocks,
@@ -713,10 +712,16 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
         count, counts = sum(blocks), blocks
     else:
         count, counts = x.size, blocks
-    agree.agree(comm, agree.signature(
-        collective.value, str(algorithm), None if op is None else op.value, x.dtype, count,
-        counts, root, comm.agreements, space_of(x).name,
-    ))
+    what = f"{collective.value} (agreement check)"
+    try:
+        agree.agree(comm, agree.signature(
+            collective.value, str(algorithm), None if op is None else op.value, x.dtype, count,
+            counts, root, comm.agreements, space_of(x).name,
+        ))
+    except WaitTimeout as late:  # the shared-memory exchange
+        raise _timed_out(comm, what, late) from None
+    except CollectiveTimeout as late:  # the exchange as a collective of its own
+        raise _broken(comm, CollectiveTimeout(f"{what}: {late}")) from None
 
 
 def _prepare(comm: Communicator, key: tuple) -> tuple:

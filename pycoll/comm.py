@@ -19,7 +19,13 @@ import numpy as np
 
 from pycoll import agree
 from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
-from pycoll.bindings.mpi import MPITransport, launched_by_mpi, mpi, node_of_each_rank
+from pycoll.bindings.mpi import (
+    CountedMPITransport,
+    MPITransport,
+    launched_by_mpi,
+    mpi,
+    node_of_each_rank,
+)
 from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
 from pycoll.bindings.transport import Transport, WaitTimeout
 from pycoll.traffic import Traffic
@@ -40,7 +46,9 @@ class Communicator:
         if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:
             raise TypeError(f"mpi_comm={mpi_comm!r} is not an mpi4py communicator")
         self.mpi_comm = parent
-        self._attach(MPITransport(parent.Dup()), MPITransport(parent.Dup()))
+        self._owns_mpi_comm = False
+        _abort_job_on_uncaught_exception()
+        self._attach(MPITransport(parent.Dup()), CountedMPITransport(parent.Dup()))
         self.nodes()  # collective (a shared-memory split): here, where every rank is
 
     @classmethod
@@ -48,6 +56,7 @@ class Communicator:
         """A communicator over ready transports (the in-process world)."""
         comm = cls.__new__(cls)
         comm.mpi_comm = None
+        comm._owns_mpi_comm = False
         comm._attach(transport, p2p)
         return comm
 
@@ -362,6 +371,8 @@ class Communicator:
             self._node_comm.Free()
         for transport in {id(t): t for t in (self.transport, self.p2p)}.values():
             getattr(transport, "free", lambda: None)()
+        if self._owns_mpi_comm:  # made by split: pycoll's to free (never the user's own)
+            self.mpi_comm.Free()
         freed = _Freed(self.rank, self.size)
         self.transport = self.p2p = self._host = freed
         self._shared = self._node_comm = None
@@ -400,6 +411,8 @@ class Communicator:
         """Ranks that pass the same ``color`` form a new communicator, ordered by ``key`` then
         rank; ``color=None`` takes no part and gets None. Every rank of this one must call it.
         """
+        if self.freed:
+            raise RuntimeError(f"{self!r} was freed (Communicator.free); allowed: a live one")
         if color is not None and (isinstance(color, bool) or not isinstance(color, int)
                                   or color < 0):
             raise ValueError(f"split: color={color!r} is invalid; allowed: an int >= 0 or None")
@@ -411,6 +424,7 @@ class Communicator:
             if child == MPI.COMM_NULL:
                 return None
             made = Communicator(child)
+            made._owns_mpi_comm = True
             # the parent's nodes, simulated ones too (PYCOLL_RANKS_PER_NODE)
             made._nodes = _first_seen_order(child.allgather(self.nodes()[self.rank]))
             return made
@@ -667,27 +681,34 @@ def world() -> Communicator:
     if _process_world is None:
         if launched_by_mpi():
             _process_world = Communicator()
-            _abort_job_on_uncaught_exception(_process_world)
         else:
             _process_world = _local(LocalWorld(1), 0)
     return _process_world
 
 
-def _abort_job_on_uncaught_exception(comm: Communicator) -> None:
-    """A rank that dies of an exception takes the job down instead of leaving peers waiting."""
-    if comm.size == 1:
+_abort_installed = False
+
+
+def _abort_job_on_uncaught_exception() -> None:
+    """A rank that dies of an exception takes the job down instead of leaving peers waiting
+    (installed once per process, by the first MPI communicator, whichever way it is made)."""
+    global _abort_installed
+    MPI = mpi()
+    everyone = MPI.COMM_WORLD
+    if _abort_installed or everyone.Get_size() == 1:
         return
+    _abort_installed = True
     previous = sys.excepthook
 
     def abort(kind, error, traceback):
         # The one-line reason first: when the job is torn down, the launcher may drop the
         # rest of a rank's output; the pause gives it time to forward what was written.
-        print(f"pycoll: rank {comm.rank} raised {kind.__name__}: {error}; aborting the job",
-              file=sys.stderr, flush=True)
+        print(f"pycoll: rank {everyone.Get_rank()} raised {kind.__name__}: {error}; aborting "
+              "the job", file=sys.stderr, flush=True)
         previous(kind, error, traceback)
         sys.stderr.flush()
         time.sleep(0.5)
-        comm.mpi_comm.Abort(1)
+        everyone.Abort(1)
 
     sys.excepthook = abort
 

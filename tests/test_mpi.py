@@ -128,6 +128,16 @@ def test_the_gpu_check_collective_bench_between_processes(collective, nranks):
     assert "# out of bounds values: 0 OK" in output and "ring" in output, output
 
 
+@pytest.mark.parametrize("count", [3, 30000])  # the one-shot's agreement, and a schedule's
+def test_a_timeout_in_the_agreement_check_is_a_collective_timeout(count):
+    done = launch(3, str(HERE / "timeout.py"), str(count), timeout=60, PYCOLL_TIMEOUT="1",
+                  PYCOLL_CHECK="1")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "timeouts on 3 ranks: 3 of 3 named a peer" in output, output
+    assert "allreduce (agreement check)" in output, output
+
+
 def test_a_first_device_send_to_a_rank_that_never_receives_times_out():
     """Connecting a Send/Recv pair is bounded by the deadline too (MPI_Comm_create_group,
     which nothing can interrupt, starts only once the peer has answered)."""
@@ -202,7 +212,7 @@ def test_a_killed_rank_ends_the_job_and_shared_memory_adds_no_leftovers(mode):
     assert len(left["auto"]) <= len(left["mpi"]), left
 
 
-@pytest.mark.parametrize("mode", ["raise", "bad-input"])
+@pytest.mark.parametrize("mode", ["raise", "raise-own", "bad-input"])
 def test_a_failing_rank_ends_the_job_quickly(mode):
     started = time.monotonic()
     before = shm_files()
@@ -214,7 +224,7 @@ def test_a_failing_rank_ends_the_job_quickly(mode):
     assert "finished, which it must not" not in output
     expected = (
         "pycoll: rank 1 raised RuntimeError: rank 1 fails on purpose; aborting the job"
-        if mode == "raise"
+        if mode.startswith("raise")
         else "out.dtype=float64"
     )
     assert expected in output

@@ -17,8 +17,10 @@ TRANSPORTS = ["auto", "shm"]  # in-process: the rendezvous transport, shared mem
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("size", [3, 30_000])  # the one-shot AllReduce, and a schedule
-def test_a_rank_that_never_comes_is_named(monkeypatch, transport, size):
+@pytest.mark.parametrize("check", ["0", "1"])  # PYCOLL_CHECK: the wait is the agreement's
+def test_a_rank_that_never_comes_is_named(monkeypatch, transport, size, check):
     monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", transport)
+    monkeypatch.setenv("PYCOLL_CHECK", check)
     gate = threading.Barrier(3)
 
     def body(rank):
@@ -46,7 +48,9 @@ def test_a_rank_that_never_comes_is_named(monkeypatch, transport, size):
         assert waited < 5
     # rank 2 receives from rank 1 in the ring; in the one-shot everyone waits for rank 1
     assert results[2][0].endswith("for rank(s) 1")
-    if size > 10:
+    if check == "1":
+        assert all(results[r][0].startswith("allreduce (agreement check)") for r in (0, 2))
+    elif size > 10:
         assert "(ring)" in results[2][0] and "at step 1 of 4" in results[2][0]
 
 

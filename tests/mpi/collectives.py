@@ -174,6 +174,24 @@ def check_plan_on_one_rank() -> None:
     fresh.free()
 
 
+def check_a_short_message_is_an_error() -> None:
+    """A receive buffer larger than the message: an error naming both counts (MPI alone
+    would fill the buffer's start silently)."""
+    if P == 1:
+        return
+    if RANK == 0:
+        pycoll.send(np.arange(4.0), P - 1, tag=11)
+    elif RANK == P - 1:
+        try:
+            pycoll.recv(np.full(8, -1.0), 0, tag=11)
+            said = ""
+        except ValueError as error:
+            said = str(error)
+        case("a short message is an error", np.array("expects 64 bytes from rank 0 (tag 11) "
+                                                     "and received 32" in said), np.array(True))
+    pycoll.barrier()
+
+
 def check_split_keeps_nodes() -> None:
     """A sub-communicator's ranks stay on their nodes (simulated ones too)."""
     world = pycoll.world()
@@ -182,7 +200,15 @@ def check_split_keeps_nodes() -> None:
     first_seen: dict[int, int] = {}
     want = [first_seen.setdefault(world.nodes()[r], len(first_seen)) for r in members]
     case("split keeps nodes", np.array(half.nodes()), np.array(want))
+    made = half.mpi_comm
     half.free()
+    case("free releases the split's own MPI communicator", np.array(made == MPI.COMM_NULL),
+         np.array(True))
+    try:
+        half.split(0)
+        case("a freed communicator does not split", np.array(False), np.array(True))
+    except RuntimeError:
+        case("a freed communicator does not split", np.array(True), np.array(True))
 
 
 for index, count in enumerate([0, 1, P + 1, 13, 1000]):
@@ -193,6 +219,7 @@ for per_peer in (0, 1, 3):
 run("point to point and groups", check_point_to_point_and_groups)
 run("plan on one rank", check_plan_on_one_rank)
 run("split keeps nodes", check_split_keeps_nodes)
+run("a short message is an error", check_a_short_message_is_an_error)
 
 totals = native.allreduce(np.array([passed, failed]), op=MPI.SUM)
 if RANK == 0:
