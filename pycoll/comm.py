@@ -373,6 +373,9 @@ class Communicator:
             getattr(transport, "free", lambda: None)()
         if self._owns_mpi_comm:  # made by split: pycoll's to free (never the user's own)
             self.mpi_comm.Free()
+        for queue in [self.queue, *self.lanes.values()]:  # drained by the barrier above
+            if queue is not None:
+                queue.close()
         freed = _Freed(self.rank, self.size)
         self.transport = self.p2p = self._host = freed
         self._shared = self._node_comm = None

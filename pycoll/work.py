@@ -88,3 +88,7 @@ class AsyncQueue:
     @property
     def busy(self) -> bool:
         return bool(self._in_flight)
+
+    def close(self) -> None:
+        """Let the worker thread end (after its queued work); no more work may come."""
+        self._executor.shutdown(wait=False)

@@ -173,3 +173,25 @@ def test_async_sends_to_one_peer_arrive_in_call_order():
         return [pycoll.recv(np.empty(3), 0, tag=5)[0] for _ in range(20)]
 
     assert pycoll.run_local(2, body)[1] == [float(i) for i in range(20)]
+
+
+def test_free_ends_the_async_workers():
+    import threading
+
+    def body():
+        sub = pycoll.world().split(0)
+        pycoll.allreduce(np.ones(3), comm=sub, async_op=True).wait()
+        peer = 1 - sub.rank
+        pycoll.send(np.ones(2), peer, comm=sub, async_op=True)
+        pycoll.recv(np.empty(2), peer, comm=sub, async_op=True).wait()
+        workers = {q.worker for q in [sub.queue, *sub.lanes.values()]}
+        sub.free()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            alive = {t.ident for t in threading.enumerate()} & workers
+            if not alive:
+                return True
+            time.sleep(0.01)
+        return False
+
+    assert pycoll.run_local(2, body) == [True, True]
