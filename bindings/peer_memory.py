@@ -177,6 +177,12 @@ class PeerMemoryTransport:
             event = self._peer_events[peer] = self.access.open_event(words.tobytes())
         return event
 
+    def keep(self, incoming: Any) -> Any:
+        """A copy of what a combine was lent (a view of an inbox slot), on the stream."""
+        kept = self.space.empty(incoming.size, incoming.dtype)
+        self.space.copy(kept, incoming)
+        return kept
+
     # -- the two-sided interface
 
     def isend(self, buf: Any, peer: int, tag: int) -> _Outgoing:

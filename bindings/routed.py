@@ -9,13 +9,44 @@ import numpy as np
 
 
 class _Routed:
-    __slots__ = ("transport", "request")
+    __slots__ = ("transport", "request", "reduction")
 
-    def __init__(self, transport: Any, request: Any):
-        self.transport, self.request = transport, request
+    def __init__(self, transport: Any, request: Any, reduction: _Reduction | None = None):
+        self.transport, self.request, self.reduction = transport, request, reduction
 
     def done(self) -> bool:
         return self.request.done()
+
+
+class _Reduction:
+    """A reducing receive's ``combine``, which the router may hold back so that a step's
+    reductions run in the order the step lists them (rank order, where the schedule asks for
+    it: the same bits on every rank), whichever transport brought each."""
+
+    __slots__ = ("combine", "keep", "now", "pieces")
+
+    def __init__(self, combine: Any, keep: Any):
+        self.combine = combine
+        # a transport that lends its data only during the call (a ring, a peer's slot) says
+        # how to keep a copy of it; None: the data is the receive's own
+        self.keep = keep
+        self.now = True  # set by waitall: reduce at once, or keep the pieces for later
+        self.pieces: list[tuple[Any, int]] = []
+
+    @property
+    def lent(self) -> bool:
+        return self.keep is not None
+
+    def __call__(self, incoming: Any, offset: int = 0) -> None:
+        if self.now:
+            self.combine(incoming, offset)
+        else:
+            self.pieces.append((incoming if self.keep is None else self.keep(incoming), offset))
+
+    def apply(self) -> None:
+        for incoming, offset in self.pieces:
+            self.combine(incoming, offset)
+        self.pieces = []
 
 
 class RoutedTransport:
@@ -32,16 +63,43 @@ class RoutedTransport:
 
     def irecv(self, buf: Any, peer: int, tag: int, combine: Any = None) -> _Routed:
         transport = self.routes[peer]
-        return _Routed(transport, transport.irecv(buf, peer, tag, combine))
+        if combine is None:
+            return _Routed(transport, transport.irecv(buf, peer, tag))
+        reduction = _Reduction(combine, getattr(transport, "keep", None))
+        return _Routed(transport, transport.irecv(buf, peer, tag, reduction), reduction)
 
     def waitall(self, requests: list[_Routed]) -> None:
         # Each transport's waits depend only on messages its peers posted before waiting,
         # so finishing one transport's requests before another's cannot deadlock.
-        by_transport: dict[int, tuple[Any, list]] = {}
+        groups: dict[int, tuple[Any, list]] = {}
         for r in requests:
-            by_transport.setdefault(id(r.transport), (r.transport, []))[1].append(r.request)
-        for transport, pending in by_transport.values():
-            transport.waitall(pending)
+            groups.setdefault(id(r.transport), (r.transport, []))[1].append(r.request)
+        reducing = [r for r in requests if r.reduction is not None]
+        if len({id(r.transport) for r in reducing}) <= 1:  # one transport keeps the order
+            for r in reducing:
+                r.reduction.now = True
+            for transport, pending in groups.values():
+                transport.waitall(pending)
+            return
+        # Several transports reduce: the data of all but one is kept, then reduced in the
+        # listed order; one lending transport (shared memory, a peer's slot) whose
+        # reductions are listed in one run reduces in place at its turn; other lent data is
+        # copied first.
+        lent = [i for i, r in enumerate(reducing) if r.reduction.lent]
+        lenders = {id(reducing[i].transport) for i in lent}
+        in_place = len(lenders) == 1 and lent[-1] - lent[0] + 1 == len(lent)
+        turn = groups[lenders.pop()] if in_place else None
+        for r in reducing:
+            r.reduction.now = in_place and r.reduction.lent
+        for transport, pending in groups.values():
+            if turn is None or transport is not turn[0]:
+                transport.waitall(pending)
+        for r in reducing:
+            if not r.reduction.now:
+                r.reduction.apply()
+            elif turn is not None:  # the lender's run of reductions, in its own order
+                turn[0].waitall(turn[1])
+                turn = None
 
     def sendrecv(self, send: Any, dst: int, recv: Any, src: int, tag: int) -> None:
         self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])

@@ -197,6 +197,11 @@ class SharedMemoryTransport:
 
     delivers = True  # irecv takes ``combine``: reductions read the ring or window in place
 
+    @staticmethod
+    def keep(incoming: np.ndarray) -> np.ndarray:
+        """A copy of what a combine was lent (a view of the ring, valid during the call)."""
+        return incoming.copy()
+
     def __init__(
         self, segments: Any, rank: int, size: int, local: list[int],
         ring_bytes: int = RING_BYTES, small_bytes: int = SMALL_BYTES,

@@ -62,6 +62,23 @@ def test_rank_order_families_give_the_rank_order_sum(monkeypatch, transport, nra
     assert all(r.tobytes() == expected for r in results)
 
 
+@pytest.mark.parametrize("nranks", [5, 6, 8])
+@pytest.mark.parametrize("algorithm", ["direct", "two_shot"])
+@pytest.mark.parametrize("size", [1001, 70_001])
+def test_rank_order_holds_across_simulated_nodes(monkeypatch, nranks, algorithm, size):
+    """Nodes of 2 (3+ of them): a step's reductions arrive through shared memory (this
+    node) and messages (the others), yet run in rank order, as listed."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", "2")
+    rng = np.random.default_rng(size + nranks)
+    xs = [(rng.standard_normal(size) * 10.0 ** rng.integers(-3, 4, size)).astype(np.float32)
+          for _ in range(nranks)]
+    results = pycoll.run_local(
+        nranks, lambda: pycoll.allreduce(xs[pycoll.world().rank], algorithm=algorithm))
+    expected = in_rank_order(xs).tobytes()
+    assert all(r.tobytes() == expected for r in results)
+
+
 @pytest.mark.parametrize("nranks", [3, 4])
 @pytest.mark.parametrize("segments", [1, 3])
 def test_direct_in_place_and_segmented_keep_rank_order(monkeypatch, nranks, segments):

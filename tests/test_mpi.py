@@ -80,13 +80,17 @@ def test_every_collective_over_each_host_transport(nranks, settings):
     assert ", 0 failed" in output
 
 
-@pytest.mark.parametrize("transport", ["auto", "mpi"])
-def test_every_process_gets_the_same_bits(transport):
-    done = launch(3, str(HERE / "determinism.py"), PYCOLL_HOST_TRANSPORT=transport)
+@pytest.mark.parametrize("transport,nranks,per_node", [
+    ("auto", 3, ""), ("mpi", 3, ""),
+    ("auto", 6, "2"),  # 3 simulated nodes: shared memory within, messages between
+])
+def test_every_process_gets_the_same_bits(transport, nranks, per_node):
+    done = launch(nranks, str(HERE / "determinism.py"), PYCOLL_HOST_TRANSPORT=transport,
+                  PYCOLL_RANKS_PER_NODE=per_node)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     cases = 2 * (len(families_for(Collective.ALLREDUCE)) + 1)  # 2 sizes x (families, auto)
-    assert f"determinism on 3 ranks: {cases} checked, 0 failed" in output, output
+    assert f"determinism on {nranks} ranks: {cases} checked, 0 failed" in output, output
 
 
 @pytest.mark.parametrize("nranks,per_node", [(4, 2), (6, 2), (8, 4)])
