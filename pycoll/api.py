@@ -87,6 +87,18 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
 SMALL_EXCHANGE_BYTES = 64 << 10  # per rank: ReduceScatter, AllGather, Broadcast and Reduce
 
 
+def one_shot_serves(comm: Communicator, collective: Collective, nbytes: int) -> bool:
+    """Whether an ``auto`` call of ``collective`` with ``nbytes`` of host input per rank goes
+    through the shared-memory one-shot (every rank's input through the slots), not a
+    schedule (so no plan is made and PYCOLL_DEBUG reports none)."""
+    shared = comm.one_shot_for(collective)
+    if shared is None:
+        return False
+    limit = shared.small_bytes if collective is Collective.ALLREDUCE else min(
+        shared.small_bytes, SMALL_EXCHANGE_BYTES)
+    return nbytes <= limit
+
+
 def _small_exchange(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,
                     algorithm: str, stream: Any, blocks: tuple[int, ...] | None,
                     root: int | None = None) -> tuple | None:

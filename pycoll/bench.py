@@ -116,6 +116,17 @@ class Options:
     roofline: bool = False  # also report each row against the node's memory roofline
 
 
+# nccl-tests' -d names where numpy reads them otherwise ("float" is float64 to numpy)
+NCCL_TESTS_DTYPES = {"float": "float32", "double": "float64", "half": "float16",
+                     "int": "int32", "char": "int8"}
+
+
+def dtype_name(text: str) -> str:
+    """``-d``'s name as nccl-tests reads it (float: float32, int: int32, half, double, char),
+    else numpy's."""
+    return NCCL_TESTS_DTYPES.get(text.strip().lower(), text.strip())
+
+
 def validate(options: Options) -> Collective:
     if options.collective not in COLLECTIVES:
         raise ValueError(
@@ -128,6 +139,9 @@ def validate(options: Options) -> Collective:
         raise ValueError(f"--iters={options.iters} --warmup={options.warmup}; "
                          "allowed: iters >= 1, warmup >= 0")
     allowed = families_for(collective) if collective is not Collective.ALLTOALL else ["direct"]
+    if not options.algorithms:
+        raise ValueError("--algorithm names no algorithm; allowed: a comma-separated list of "
+                         "auto, " + ", ".join(allowed) + ", or all")
     for algorithm in options.algorithms:
         if algorithm != "auto" and algorithm not in allowed:
             raise ValueError(

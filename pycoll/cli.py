@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pycoll.algorithms import FAMILIES
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("-n", "--iters", type=int, default=20, help="timed iterations")
     bench.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations")
     bench.add_argument("-c", "--check", type=int, default=1, help="1: count #wrong; 0: skip")
-    bench.add_argument("-d", "--dtype", default="float32")
+    bench.add_argument("-d", "--dtype", default="float32", type=_dtype_name)
     bench.add_argument("-o", "--op", default="sum")
     bench.add_argument("-r", "--root", type=int, default=0)
     bench.add_argument("--algorithm", default="auto",
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("-f", "--step-factor", type=int, default=2)
     compare.add_argument("-n", "--iters", type=int, default=15)
     compare.add_argument("-w", "--warmup", type=int, default=2)
-    compare.add_argument("-d", "--dtype", default="float32")
+    compare.add_argument("-d", "--dtype", default="float32", type=_dtype_name)
     compare.add_argument("-o", "--op", default="sum")
     compare.add_argument("-r", "--root", type=int, default=0)
     compare.add_argument("--ranks", type=int, help="in-process ranks (default: the MPI job)")
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("-b", "--min-bytes", default="8")
     scale.add_argument("-e", "--max-bytes", default="1G")
     scale.add_argument("-f", "--step-factor", type=int, default=16)
-    scale.add_argument("-d", "--dtype", default="float32")
+    scale.add_argument("-d", "--dtype", default="float32", type=_dtype_name)
     args = parser.parse_args(argv)
 
     if args.command == "model":
@@ -120,13 +121,28 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def _dtype_name(text: str) -> str:
+    from pycoll.bench import dtype_name
+
+    return dtype_name(text)
+
+
+def _writable(path: str | None, flag: str) -> None:
+    """Fail before measuring, not after: ``path`` ('-': stdout) must be writable."""
+    if path is None or path == "-":
+        return
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: cannot write a file there")
+
+
 def _bench(args: argparse.Namespace) -> int:
     import pycoll
     from pycoll import bench
     from pycoll.algorithms import families_for
 
     try:
-        names = [a.strip() for a in args.algorithm.split(",") if a.strip()]
+        names = list(dict.fromkeys(a.strip() for a in args.algorithm.split(",") if a.strip()))
         if names == ["all"]:
             collective = bench.COLLECTIVES.get(args.collective)
             names = (families_for(collective) + ["auto"]) if collective else ["auto"]
@@ -147,6 +163,8 @@ def _bench(args: argparse.Namespace) -> int:
             roofline=args.roofline,
         )
         bench.validate(options)
+        _writable(args.json, "--json")
+        _writable(args.csv, "--csv")
         if args.ranks is not None:
             if args.against:
                 raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
@@ -161,10 +179,16 @@ def _bench(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, RuntimeError) as error:
         print(f"pycoll bench: {error}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print(f"pycoll bench: --max-bytes={args.max_bytes}: cannot allocate the buffers",
+              file=sys.stderr)
+        return 2
     if rank == 0:
         title = (f"pycoll bench {options.collective}: {size} ranks ({where}), "
                  f"iters {options.iters}, warmup {options.warmup}, median of the slowest rank")
-        print(bench.format_table(rows, title), flush=True)
+        # with --json - or --csv -, stdout is the machine's: the table goes to stderr
+        table_to = sys.stderr if "-" in (args.json, args.csv) else sys.stdout
+        print(bench.format_table(rows, title), file=table_to, flush=True)
         if args.json:
             bench.write_json(rows, args.json)
         if args.csv:
@@ -183,6 +207,7 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
             iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=args.op, root=args.root,
         )
         bench.validate(options)
+        _writable(args.output and f"{args.output}.md", "--output")
         if bench.COLLECTIVES[args.collective] is bench.Collective.ALLTOALL:
             raise ValueError("collective='alltoall' has one algorithm (direct): nothing to compare")
         if args.ranks is not None:
@@ -195,6 +220,10 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
             result, rank = compare.run(options, comm), comm.rank
     except (ValueError, TypeError) as error:
         print(f"pycoll compare: {error}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print(f"pycoll compare: --max-bytes={args.max_bytes}: cannot allocate the buffers",
+              file=sys.stderr)
         return 2
     if rank != 0:
         return 0
@@ -238,12 +267,14 @@ def _model(args: argparse.Namespace) -> int:
         print(f"pycoll model: {error}", file=sys.stderr)
         return 2
     print(scaling.format_table(collective, rows, topology))
-    families = {e.algorithm for e in rows[0]}
+    families = {e.algorithm for row in rows for e in row if e is not None}
     if {"ring", "tree"} <= families:
+        scanned = f"{scaling._size(sizes[0])} to {scaling._size(sizes[-1])}"
         for p in ranks:
             size = scaling.crossover(collective, p, topology, "tree", "ring",
                                      low=sizes[0], high=sizes[-1], itemsize=itemsize)
-            where = "never" if size is None else f"up to {scaling._size(size)} at least"
+            where = (f"at no size from {scanned}" if size is None
+                     else f"up to {scaling._size(size)} at least (scanned {scanned})")
             print(f"# {p} ranks: tree predicted faster than ring {where} (sizes x4 apart)")
     return 0
 

@@ -22,6 +22,7 @@ import numpy as np
 import pycoll
 from pycoll import bench, select
 from pycoll.algorithms import families_for
+from pycoll.api import one_shot_serves
 from pycoll.comm import Communicator
 from pycoll.schedule import Collective
 from pycoll.spaces import HOST
@@ -83,7 +84,9 @@ class Comparison:
             "|" + "---|" * (len(names) + 5),
         ]
         for p in self.points:
-            cells = [f"{p.measured_us[a]:.1f} ({p.predicted_us[a]:.1f})" for a in names]
+            cells = [f"{p.measured_us[a]:.1f} ({p.predicted_us[a]:.1f})"
+                     if not math.isnan(p.predicted_us[a]) else f"{p.measured_us[a]:.1f} (-)"
+                     for a in names]
             lines.append(
                 f"| {_size(p.size)} | " + " | ".join(cells)
                 + f" | {p.auto_choice} | {p.fastest()} | {self.auto_gap(p):+.0%} | "
@@ -146,6 +149,8 @@ def run(options: bench.Options, comm: Communicator, algorithms: list[str] | None
             point.predicted_us[a] = plan.predicted * 1e6
             if a == "auto":
                 point.auto_choice = f"{plan.algorithm}×{plan.nsegments}"
+                if one_shot_serves(comm, collective, case.x.nbytes):  # no schedule: no model
+                    point.auto_choice, point.predicted_us[a] = "one-shot", math.nan
             if options.check:
                 case.fill_for_check()
                 case.call(a)

@@ -64,6 +64,8 @@ def topology_named(name_or_path: str) -> model.Topology:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"--topology {path}: not JSON ({error})") from error
+    except OSError as error:  # a directory, no permission
+        raise ValueError(f"--topology {path}: cannot read it ({error.strerror})") from None
     return model.Topology.from_json(data, source=str(path))
 
 
@@ -123,18 +125,25 @@ def _rank_zero_schedule(collective: Collective, family: str, nranks: int, ranks_
         return emit(nranks, 1, **nodes)
 
 
+def applies(family: str, nranks: int, topology: model.Topology) -> bool:
+    """Whether ``family`` is priced at ``nranks``: one-round families up to DIRECT_LIMIT
+    ranks, node-aware ones where the ranks span nodes."""
+    return not (family in ONE_ROUND and nranks > DIRECT_LIMIT) and not (
+        algorithms.node_aware(family) and not spans_nodes(topology, nranks))
+
+
 def table(collective: Collective, ranks: list[int], sizes: list[int], topology: model.Topology,
-          families: list[str] | None = None, itemsize: int = 4) -> list[list[Estimate]]:
-    """For every (rank count, size): every family's estimate."""
-    families = families or [
-        f for f in algorithms.families_for(collective)
-        if not (f in ONE_ROUND and max(ranks) > DIRECT_LIMIT)
-        and not (algorithms.node_aware(f) and not spans_nodes(topology, min(ranks)))]
+          families: list[str] | None = None, itemsize: int = 4
+          ) -> list[list[Estimate | None]]:
+    """For every (rank count, size): every family's estimate, None where the family does not
+    apply at that rank count (the columns: families that apply at any of ``ranks``)."""
+    families = families or [f for f in algorithms.families_for(collective)
+                            if any(applies(f, p, topology) for p in ranks)]
     rows = []
     for p in ranks:
         for nbytes in sizes:
             rows.append([predict_at_scale(collective, f, p, nbytes, topology, itemsize)
-                         for f in families])
+                         if applies(f, p, topology) else None for f in families])
     return rows
 
 
@@ -153,17 +162,22 @@ def crossover(collective: Collective, p: int, topology: model.Topology, a: str, 
     return last
 
 
-def format_table(collective: Collective, rows: list[list[Estimate]], topology: model.Topology
-                 ) -> str:
+def format_table(collective: Collective, rows: list[list[Estimate | None]],
+                 topology: model.Topology, families: list[str] | None = None) -> str:
+    """The table; ``families``: the column names (default: read off the rows); "—" where a
+    family does not apply at that row's rank count."""
+    names = families or [next(r[i] for r in rows if r[i] is not None).algorithm
+                         for i in range(len(rows[0]))]
     lines = [f"# pycoll model: {collective.value} on {topology.name}",
-             "| ranks | size | " + " | ".join(
-                 f"{e.algorithm} µs (busbw GB/s)" for e in rows[0]) + " | fastest |",
-             "|---|---|" + "---|" * (len(rows[0]) + 1)]
+             "| ranks | size | " + " | ".join(f"{name} µs (busbw GB/s)" for name in names)
+             + " | fastest |",
+             "|---|---|" + "---|" * (len(names) + 1)]
     for row in rows:
-        fastest = min(row, key=lambda e: e.seconds)
-        cells = [f"{e.seconds * 1e6:.1f} ({e.busbw:.1f})"
+        priced = [e for e in row if e is not None]
+        fastest = min(priced, key=lambda e: e.seconds)
+        cells = ["—" if e is None else f"{e.seconds * 1e6:.1f} ({e.busbw:.1f})"
                  + (f" ×{e.nsegments}" if e.nsegments > 1 else "") for e in row]
-        lines.append(f"| {row[0].nranks} | {_size(row[0].nbytes)} | " + " | ".join(cells)
+        lines.append(f"| {priced[0].nranks} | {_size(priced[0].nbytes)} | " + " | ".join(cells)
                      + f" | {fastest.algorithm} |")
     return "\n".join(lines)
 

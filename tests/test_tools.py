@@ -126,3 +126,45 @@ def test_the_soak_runs_in_process():
     soak = runpy.run_path(str(Path(__file__).parent.parent / "bench" / "soak.py"))["soak"]
     results = pycoll.run_local(3, soak, 200, 7, 50)
     assert all(calls == 200 and wrong == 0 for calls, wrong, _, _ in results)
+
+
+def test_model_prices_each_rank_count_with_the_families_that_apply_there(capsys):
+    """A row does not depend on the other rank counts asked for: at 8 ranks (one node of
+    nvlink-ib) the hierarchical families do not apply ("—"); at 16 (two nodes) they do."""
+    assert main(["model", "--ranks", "8,16", "-b", "1M", "-e", "1M"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| ranks"))
+    eight = next(line for line in out.splitlines() if line.startswith("| 8 |"))
+    sixteen = next(line for line in out.splitlines() if line.startswith("| 16 |"))
+    assert "hierarchical µs" in header
+    column = header.split(" | ").index("hierarchical µs (busbw GB/s)")
+    assert eight.split(" | ")[column] == "—" and sixteen.split(" | ")[column] != "—"
+    alone = main(["model", "--ranks", "16", "-b", "1M", "-e", "1M"])
+    assert alone == 0 and sixteen in capsys.readouterr().out  # the same row, asked alone
+    assert "at no size from" in out or "at least (scanned 1 MiB to 1 MiB)" in out
+
+
+def test_bench_output_options(tmp_path, capsys):
+    # --json -: stdout is the JSON alone (the table goes to stderr)
+    assert main(["bench", "--ranks", "2", "-e", "64", "-n", "1", "-w", "0", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)) >= 1 and "pycoll bench" in captured.err
+    # an unwritable path is refused before anything runs
+    assert main(["bench", "--ranks", "2", "-e", "16", "--json", str(tmp_path / "no/x.json")]) == 2
+    assert "--json" in capsys.readouterr().err
+    # an empty --algorithm list runs nothing: refused
+    assert main(["bench", "--ranks", "2", "-e", "8", "--algorithm", ","]) == 2
+    assert "--algorithm names no algorithm" in capsys.readouterr().err
+    # nccl-tests' names: float is float32, int is int32
+    assert main(["bench", "--ranks", "2", "-b", "64", "-e", "64", "-n", "1", "-w", "0",
+                 "-d", "float", "--json", str(tmp_path / "f.json")]) == 0
+    assert json.loads((tmp_path / "f.json").read_text())[0]["type"] == "float32"
+
+
+def test_compare_says_when_auto_took_the_one_shot(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    assert main(["compare", "allreduce", "--ranks", "3", "-b", "64", "-e", "64", "-n", "1",
+                 "-w", "0", "--output", str(tmp_path / "c")]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("| 64 B"))
+    assert "| one-shot |" in row and "(-)" in row
