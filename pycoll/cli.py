@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall"],
     )
     explain.add_argument("--ranks", type=int, default=4, help="rank count (default 4)")
-    explain.add_argument("--algorithm", default="ring", choices=sorted(FAMILIES))
+    explain.add_argument("--algorithm", default=None, choices=sorted(FAMILIES),
+                         help="default: ring (direct for alltoall)")
     explain.add_argument("--root", type=int, default=0, help="root of broadcast/reduce")
     explain.add_argument("--segments", type=int, default=1, help="segments per block")
     bench = commands.add_parser(
@@ -127,6 +128,11 @@ def _dtype_name(text: str) -> str:
     return dtype_name(text)
 
 
+def _ranks_flag(ranks: int | None) -> None:
+    if ranks is not None and ranks < 1:
+        raise ValueError(f"--ranks={ranks}; allowed: an int >= 1 (in-process ranks)")
+
+
 def _writable(path: str | None, flag: str) -> None:
     """Fail before measuring, not after: ``path`` ('-': stdout) must be writable."""
     if path is None or path == "-":
@@ -163,6 +169,7 @@ def _bench(args: argparse.Namespace) -> int:
             roofline=args.roofline,
         )
         bench.validate(options)
+        _ranks_flag(args.ranks)
         _writable(args.json, "--json")
         _writable(args.csv, "--csv")
         if args.ranks is not None:
@@ -207,6 +214,7 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
             iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=args.op, root=args.root,
         )
         bench.validate(options)
+        _ranks_flag(args.ranks)
         _writable(args.output and f"{args.output}.md", "--output")
         if bench.COLLECTIVES[args.collective] is bench.Collective.ALLTOALL:
             raise ValueError("collective='alltoall' has one algorithm (direct): nothing to compare")

@@ -166,13 +166,17 @@ _CALLS = {
 def explain(
     collective: str,
     nranks: int,
-    algorithm: str,
+    algorithm: str | None,
     root: int = 0,
     nsegments: int = 1,
     print_: Callable[[str], None] = print,
 ) -> bool:
     """Print the schedule round by round on the seed's inputs, then each rank's real result."""
     kind = _collective(collective)
+    if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1:
+        raise ValueError(f"--ranks={nranks!r} is invalid; allowed: an int >= 1")
+    if algorithm is None:  # the default: ring, or alltoall's one schedule
+        algorithm = "direct" if kind is Collective.ALLTOALL else "ring"
     if not 0 <= root < nranks:
         raise ValueError(f"root={root} is not a rank; allowed: 0..{nranks - 1}")
     if nsegments < 1:
