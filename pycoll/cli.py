@@ -270,6 +270,8 @@ def _model(args: argparse.Namespace) -> int:
         itemsize = np.dtype(check_dtype(args.dtype)).itemsize
         sizes = bench.sizes(bench.parse_size(args.min_bytes), bench.parse_size(args.max_bytes),
                             args.step_factor)
+        # whole elements, as bench measures them (1 B of float64 is no element)
+        sizes = sorted({s // itemsize * itemsize for s in sizes} - {0}) or [0]
         rows = scaling.table(collective, ranks, sizes, topology, itemsize=itemsize)
     except (ValueError, TypeError) as error:
         print(f"pycoll model: {error}", file=sys.stderr)

@@ -97,7 +97,9 @@ class Comparison:
             f"- auto's measured time, worst over sizes, against the fastest family: "
             f"{self.worst_auto_gap():+.0%} (bar: within +10%).",
             f"- model against measurement at ≥ {_size(BAND_BYTES)}, worst over sizes and "
-            f"algorithms: ±{self.worst_prediction_error():.0%} (bar: ±30%).",
+            f"algorithms: ±{self.worst_prediction_error():.0%} (bar: ±30%)."
+            if any(p.size >= BAND_BYTES for p in self.points) else
+            f"- model against measurement: no size at ≥ {_size(BAND_BYTES)} was measured.",
         ]
         per_algorithm = ", ".join(
             f"{a} ±{max(abs(self.prediction_error(p, a)) for p in self.points if p.size >= BAND_BYTES):.0%}"  # noqa: E501
