@@ -159,13 +159,19 @@ def run(options: bench.Options, comm: Communicator, algorithms: list[str] | None
                 point.wrong[a] = int(pycoll.allreduce(np.array([case.wrong()]), comm=comm)[0])
         points.append(point)
     where = "MPI" if comm.mpi_comm is not None else "in-process"
-    costs = (f"alpha {topology.intra.alpha * 1e6:.2f} us, beta {1e-9 / topology.intra.beta:.1f} "
-             f"GB/s, gamma {1e-9 / topology.gamma:.1f} GB/s, delta {1e-9 / topology.delta:.1f} "
-             f"GB/s, call {topology.call * 1e6:.1f} us; from {topology.source}")
+    costs = (f"alpha {topology.intra.alpha * 1e6:.2f} us, beta {_rate(topology.intra.beta)}, "
+             f"gamma {_rate(topology.gamma)}, delta {_rate(topology.delta)}, "
+             f"call {topology.call * 1e6:.1f} us; from {topology.source}")
     return Comparison(collective, comm.size, where, topology.name, families, points, costs)
 
 
 _ROOTED = (Collective.BROADCAST, Collective.REDUCE)
+
+
+def _rate(seconds_per_byte: float) -> str:
+    """A per-byte cost as a rate (a tuning fit on a noisy machine may give none)."""
+    return (f"{1e-9 / seconds_per_byte:.1f} GB/s" if seconds_per_byte > 0
+            else "no per-byte cost")
 
 
 def plot(comparison: Comparison, path: str) -> None:
