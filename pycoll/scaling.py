@@ -8,8 +8,8 @@ doubling for powers of two), so beyond
 ``FULL_LIMIT`` ranks one rank's steps are built (``building_only``) and played in lockstep:
 every step costs what it costs that rank, as every rank does the same (the tests check this
 equals the full play). Their segment count is then 1 (a ring's segments run one after
-another, so under the model more only add alphas). Direct and two_shot are left out beyond
-512 ranks.
+another, so under the model more only add alphas). Direct is left out beyond 512 ranks,
+two_shot (played in full) beyond 64.
 """
 
 from __future__ import annotations
@@ -125,11 +125,15 @@ def _rank_zero_schedule(collective: Collective, family: str, nranks: int, ranks_
         return emit(nranks, 1, **nodes)
 
 
-def applies(family: str, nranks: int, topology: model.Topology) -> bool:
+def applies(collective: Collective, family: str, nranks: int, topology: model.Topology) -> bool:
     """Whether ``family`` is priced at ``nranks``: one-round families up to DIRECT_LIMIT
-    ranks, node-aware ones where the ranks span nodes."""
-    return not (family in ONE_ROUND and nranks > DIRECT_LIMIT) and not (
-        algorithms.node_aware(family) and not spans_nodes(topology, nranks))
+    ranks where one rank can price them in lockstep, else up to FULL_LIMIT (their p² full
+    play takes minutes beyond); node-aware ones where the ranks span nodes."""
+    if family in ONE_ROUND:
+        limit = DIRECT_LIMIT if collective in LOCKSTEP.get(family, set()) else FULL_LIMIT
+        if nranks > limit:
+            return False
+    return not (algorithms.node_aware(family) and not spans_nodes(topology, nranks))
 
 
 def table(collective: Collective, ranks: list[int], sizes: list[int], topology: model.Topology,
@@ -138,12 +142,12 @@ def table(collective: Collective, ranks: list[int], sizes: list[int], topology: 
     """For every (rank count, size): every family's estimate, None where the family does not
     apply at that rank count (the columns: families that apply at any of ``ranks``)."""
     families = families or [f for f in algorithms.families_for(collective)
-                            if any(applies(f, p, topology) for p in ranks)]
+                            if any(applies(collective, f, p, topology) for p in ranks)]
     rows = []
     for p in ranks:
         for nbytes in sizes:
             rows.append([predict_at_scale(collective, f, p, nbytes, topology, itemsize)
-                         if applies(f, p, topology) else None for f in families])
+                         if applies(collective, f, p, topology) else None for f in families])
     return rows
 
 
