@@ -136,20 +136,17 @@ class PeerMemoryTransport:
 
     ``space``: the device space (allocate, view, copy, events on the current stream);
     ``access``: how handles are exported and opened; ``credits`` and ``notices``: two host
-    transports of the same group, used for the small control messages only; ``peers``: the
-    ranks it serves (one node's, under MPI), for the record.
+    transports of the same group, used for the small control messages only.
     """
 
     delivers = True  # irecv takes ``combine``: the reduction reads the inbox directly
 
     def __init__(
         self, space: Any, access: PeerAccess, credits: Any, notices: Any,
-        peers: list[int] | None = None,
     ):
         self.space, self.access = space, access
         self.credits, self.notices = credits, notices
         self.rank, self.size = credits.rank, credits.size
-        self.peers = list(range(self.size)) if peers is None else sorted(peers)
         self.names = list(range(self.size))  # how errors name each rank of the group
         self._inboxes: list[_Inbox] = []
         self._used = 0  # bytes of the newest inbox claimed in the current step

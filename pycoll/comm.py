@@ -330,10 +330,10 @@ class Communicator:
 
     def _pair_device_transport(self, space: Any, peer: int) -> Any:
         pair = sorted((self.rank, peer))
+        nodes = [self.nodes()[r] for r in pair]
         if self.mpi_comm is None:
             host = self.p2p.subgroup(pair, f"{self.p2p.channel}/pair{pair[0]},{pair[1]}")
-            nodes = self.nodes()
-            inner = _in_process_device_transport(space, host, [nodes[r] for r in pair])
+            inner = _in_process_device_transport(space, host, nodes)
         else:
             # Only the pair calls this: MPI_Comm_create_group is collective over its group
             # alone. A distinct tag per pair keeps a rank's concurrent creations apart. No
@@ -349,8 +349,7 @@ class Communicator:
             pair_comm = parent.Create_group(group, tag)
             group.Free()
             everyone.Free()
-            nodes = self.nodes()
-            inner = _mpi_device_transport(pair_comm, space, [nodes[r] for r in pair])
+            inner = _mpi_device_transport(pair_comm, space, nodes)
             pair_comm.Free()  # the endpoint keeps its own duplicates
         return Renumbered(inner, pair)
 
@@ -523,7 +522,7 @@ def _ranks_per_node(size: int) -> int:
 
 
 def _route(
-    rank: int, nodes: list[int], mode: str, peer_memory: Callable[[list[int]], Any],
+    rank: int, nodes: list[int], mode: str, peer_memory: Callable[[], Any],
     staged: Callable[[], Any],
 ) -> Any:
     """Peer memory to the ranks of this node, staged messages to the others.
@@ -544,11 +543,11 @@ def _route(
     if mode == "staged":
         return staged()
     if len(local) == len(nodes):
-        return peer_memory(local)
+        return peer_memory()
     between = staged()
     if len(set(nodes)) == len(nodes):  # a node each: nobody maps a peer
         return between
-    within = peer_memory(local)
+    within = peer_memory()
     if len(local) == 1:
         return between
     return RoutedTransport([within if node == nodes[rank] else between for node in nodes])
@@ -613,9 +612,9 @@ def _in_process_device_transport(space: Any, host: Any, nodes: list[int]) -> Any
     # otherwise (comm.nodes()), to run the between-node path and the routing in one process.
     return _route(
         host.rank, nodes, _device_transport_mode(),
-        lambda local: PeerMemoryTransport(
+        lambda: PeerMemoryTransport(
             space, access, host.subgroup(everyone, channel + "/credits"),
-            host.subgroup(everyone, channel + "/notices"), peers=local,
+            host.subgroup(everyone, channel + "/notices"),
         ),
         lambda: StagedTransport(space, host.subgroup(everyone, channel + "/staged")),
     )
@@ -635,9 +634,8 @@ def _mpi_device_transport(mpi_comm: Any, space: Any, nodes: list[int]) -> Any:
         nodes = list(range(mpi_comm.Get_size()))
     return _route(
         mpi_comm.Get_rank(), nodes, mode,
-        lambda local: PeerMemoryTransport(
+        lambda: PeerMemoryTransport(
             space, access(), MPITransport(mpi_comm.Dup()), MPITransport(mpi_comm.Dup()),
-            peers=local,
         ),
         lambda: StagedTransport(space, MPITransport(mpi_comm.Dup()), cuda_aware_mpi(mpi())),
     )

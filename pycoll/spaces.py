@@ -214,7 +214,7 @@ def complex_as_real(reducer_of: Callable[[ReduceOp, np.dtype], Callable[..., Non
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise TypeError(f"op={op.value!r} on {dtype.name} device arrays has no GPU kernel; "
                         "allowed for complex device arrays: sum, avg")
-    real = np.dtype(f"f{dtype.itemsize // 2}")
+    real = _real_of(dtype)
     reduce = reducer_of(op, real)
 
     def reduce_pairs(dst: Any, src: Any, first: Any = None) -> None:
@@ -225,8 +225,12 @@ def complex_as_real(reducer_of: Callable[[ReduceOp, np.dtype], Callable[..., Non
 
 def real_view(work: Any) -> Any:
     """``work`` as its float (real, imaginary) pairs when complex (see ``complex_as_real``)."""
-    kind = np.dtype(work.dtype)
-    return work.view(np.dtype(f"f{kind.itemsize // 2}")) if kind.kind == "c" else work
+    dtype = np.dtype(work.dtype)
+    return work.view(_real_of(dtype)) if dtype.kind == "c" else work
+
+
+def _real_of(complex_dtype: np.dtype) -> np.dtype:
+    return np.dtype(f"f{complex_dtype.itemsize // 2}")  # complex64 -> float32, 128 -> 64
 
 
 def _round_up(n: int, unit: int) -> int:
