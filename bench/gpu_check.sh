@@ -7,9 +7,13 @@
 #   bash bench/fetch_wheels.sh   # here, with network: mpi4py + mpich wheels into .whl/
 #   bash bench/gpu_check.sh      # there
 # Wheels that the machine lacks travel with the tree in .whl/ (see the device notes).
+# The device tool brings back at most 8 files from $OUT, so $OUT gets 7: environment.txt,
+# gpu-tests.txt, kernels.txt, kernels.json, collectives.txt, collectives.tar.gz (the
+# per-run JSON) and gpu-summary.md; the rest is written to a scratch folder.
 set -uo pipefail
 out=${OUT:-bench/results/gpu-raw}
 mkdir -p "$out"
+work=$(mktemp -d)
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 # One deadline for the whole script: each step's timeout is its own cap or what is left,
@@ -80,7 +84,7 @@ for ranks in 2 4; do
   for collective in allreduce reduce_scatter allgather; do
     timeout "$(within 45)" mpiexec -n "$ranks" "$python" -P -m pycoll bench "$collective" --device cuda \
       --algorithm all -b 64K -e 64M -f 4 -n 10 -w 3 --check 1 \
-      --json "$out/$collective-$ranks.json" 2>&1 | tee -a "$out/collectives.txt"
+      --json "$work/$collective-$ranks.json" 2>&1 | tee -a "$out/collectives.txt"
     status=${PIPESTATUS[0]}
     echo "# $collective on $ranks ranks: exit $status" | tee -a "$out/collectives.txt"
     [ "$status" -eq 0 ] || collectives_status=$status
@@ -88,7 +92,12 @@ for ranks in 2 4; do
 done
 
 echo "gpu tests exit $tests_status, kernel bench exit $bench_status," \
-  "collectives exit $collectives_status" | tee "$out/summary.txt"
+  "collectives exit $collectives_status" | tee "$work/summary.txt"
 # One page with issue 4's bars checked: commit it as bench/results/gpu-<device>.md.
-"$python" bench/summarize_gpu.py "$out" > "$out/gpu-summary.md" 2>&1
+cp "$out"/*.txt "$out"/kernels.json "$work"/ 2>/dev/null
+"$python" bench/summarize_gpu.py "$work" > "$out/gpu-summary.md" 2>&1
+if ls "$work"/*-[0-9]*.json >/dev/null 2>&1; then
+  # shellcheck disable=SC2046  # the names are ours: no spaces
+  tar -czf "$out/collectives.tar.gz" -C "$work" $(cd "$work" && ls -- *-[0-9]*.json)
+fi
 [ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$collectives_status" -eq 0 ]

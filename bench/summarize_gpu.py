@@ -125,7 +125,9 @@ def main(folder: str) -> str:
               .strip(), "```", ""]
     tests = _read(root / "gpu-tests.txt")
     last = [line for line in (tests or "").splitlines() if line.strip()]
-    lines += ["## GPU tests", "", "```", last[-1] if last else "(no gpu-tests.txt)", "```", ""]
+    said = last[-1] if last else ("(gpu-tests.txt is empty)" if tests is not None
+                                  else "(no gpu-tests.txt)")
+    lines += ["## GPU tests", "", "```", said, "```", ""]
     kernels = root / "kernels.json"
     lines += (kernel_section(json.loads(kernels.read_text())) if kernels.exists()
               else ["## Kernels", "", "No kernels.json.", ""])

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,3 +82,32 @@ def test_a_run_cut_short_still_gives_a_page(tmp_path):
     assert "(no summary.txt: the script did not finish)" in page
     assert "No reduce kernel was measured at >= 256 MiB" in page
     assert "No collective results." in page
+
+
+def test_gpu_check_brings_back_at_most_8_files(tmp_path):
+    """The device tool returns at most 8 files from $OUT, named in letters, digits, '.', '_'
+    and '-', at most 2 folders down: gpu_check.sh must fit, its page and the collectives' JSON
+    included. mpiexec is a stand-in that writes one row where --json says (no GPU here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    row = json.dumps([collective("allreduce", 2, MiB, "ring", 9)])
+    (bin_dir / "mpiexec").write_text(
+        "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --json ] && "
+        f"echo '{row}' > \"$2\"; shift; done\nexit 0\n")
+    (bin_dir / "mpiexec").chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "GPU_CHECK_SECONDS": "1", "PYTHON": sys.executable,
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0, run.stdout  # no GPU: the tests and the kernel bench fail
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert 0 < len(files) <= 8, files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", p.name) for p in files), files
+    assert all(len(p.relative_to(out).parts) <= 3 for p in files), files
+    page = (out / "gpu-summary.md").read_text()
+    assert "| allreduce | 2 | 1 | 0 |" in page, page
+    with tarfile.open(out / "collectives.tar.gz") as archive:
+        names = sorted(Path(name).name for name in archive.getnames())
+    assert names == sorted(f"{c}-{n}.json" for n in (2, 4)
+                           for c in ("allreduce", "reduce_scatter", "allgather")), names
