@@ -68,9 +68,10 @@ print('numba twice(arange(4)):', x.copy_to_host().tolist())
 
 # 1. The GPU tests (they skip only where no GPU is found; here none should skip). The
 # collectives first. The compile-only checks (nvcc, NVRTC for sm_80, Numba PTX, the
-# simulator) run in CI without a GPU: left out here, they would take a minute of the 200 s.
+# simulator, the CUDA C built for the CPU) run in CI without a GPU: left out here, they
+# would take over a minute of the 200 s.
 timeout "$(within 200)" "$python" -P -m pytest -q -rs -p no:cacheprovider \
-  -k "not nvcc and not nvrtc_compiles and not compile_to_ptx and not simulator_suite" \
+  -k "not nvcc and not nvrtc_compiles and not compile_to_ptx and not simulator_suite and not on-host" \
   tests/test_gpu_collectives.py tests/test_kernels_cuda.py 2>&1 | tee "$out/gpu-tests.txt"
 tests_status=${PIPESTATUS[0]}
 

@@ -29,30 +29,40 @@ constexpr int kMaxSources = 16;
 
 // ---------------------------------------------------------------- float32 without ftz
 
+// On the GPU, inline PTX; in a host build (tests/test_cuda_c_on_host.py runs these kernels
+// on the CPU) plain C++, which on x86-64 keeps subnormals and rounds to nearest even too.
 __device__ __forceinline__ float f32_add(float a, float b) {
+#ifdef __CUDA_ARCH__
   float r;
   asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
+#else
+  return a + b;
+#endif
 }
 
 __device__ __forceinline__ float f32_mul(float a, float b) {
+#ifdef __CUDA_ARCH__
   float r;
   asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
+#else
+  return a * b;
+#endif
 }
 
 __device__ __forceinline__ float f32_min(float a, float b) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   float r;  // .NaN: a NaN operand gives NaN (PTX ISA 7.0, sm_80+)
   asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 #else
-  return (a != a || a < b) ? a : b;  // pre-sm_80 only: compares under CuPy's -ftz
+  return (a != a || a < b) ? a : b;  // pre-sm_80 (compares under CuPy's -ftz) and host builds
 #endif
 }
 
 __device__ __forceinline__ float f32_max(float a, float b) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   float r;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
@@ -63,15 +73,23 @@ __device__ __forceinline__ float f32_max(float a, float b) {
 
 // float32 <-> float64 keeping subnormals: a plain C cast compiles to cvt.ftz under -ftz.
 __device__ __forceinline__ double f32_to_f64(float x) {
+#ifdef __CUDA_ARCH__
   double r;
   asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(x));
   return r;
+#else
+  return (double)x;
+#endif
 }
 
 __device__ __forceinline__ float f64_to_f32(double x) {
+#ifdef __CUDA_ARCH__
   float r;  // rounded to nearest even
   asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
   return r;
+#else
+  return (float)x;
+#endif
 }
 
 // ---------------------------------------------------------------- per-dtype arithmetic
@@ -216,8 +234,15 @@ union Vec {
   __device__ Vec() {}
 };
 
+// A host build (the tests run these kernels on the CPU, where a misaligned access works)
+// defines this to count the accesses that would fault on the GPU.
+#ifndef PYCOLL_CHECK_ALIGNED16
+#define PYCOLL_CHECK_ALIGNED16(p)
+#endif
+
 template <typename T>
 __device__ __forceinline__ Vec<T> load16(const T* p) {
+  PYCOLL_CHECK_ALIGNED16(p);
   Vec<T> v;
   v.raw = *reinterpret_cast<const uint4*>(p);
   return v;
@@ -225,6 +250,7 @@ __device__ __forceinline__ Vec<T> load16(const T* p) {
 
 template <typename T>
 __device__ __forceinline__ void store16(T* p, const Vec<T>& v) {
+  PYCOLL_CHECK_ALIGNED16(p);
   *reinterpret_cast<uint4*>(p) = v.raw;
 }
 

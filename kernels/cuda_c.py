@@ -221,18 +221,34 @@ class CudaCKernels:
         if n == 0:
             return
         lanes = 16 // dtype.itemsize
+        cap = self._blocks_per_sm * self._sms()
+        blocks = max(1, min(math.ceil(n / (self._threads * lanes)), cap))
+        self._run(kernel, dtype, op, blocks, args)
+
+    # The three methods below are all that touch CuPy and the GPU: the tests' host build of
+    # these kernels (tests/test_kernels_cuda.py, HostCudaCKernels) replaces them.
+    def _sms(self) -> int:
         import cupy
 
-        cap = self._blocks_per_sm * _sm_count(cupy.cuda.runtime.getDevice())
-        blocks = max(1, min(math.ceil(n / (self._threads * lanes)), cap))
-        fn = _function(kernel, dtype, op)
-        fn((blocks,), (self._threads,), args, stream=self._stream)
+        return _sm_count(cupy.cuda.runtime.getDevice())
 
-    def _array(self, x: Any, name: str, dtype: np.dtype, size: int | None) -> Any:
+    def _run(
+        self, kernel: str, dtype: np.dtype, op: ReduceOp | None, blocks: int, args: tuple
+    ) -> None:
+        _function(kernel, dtype, op)((blocks,), (self._threads,), args, stream=self._stream)
+
+    def _check_type(self, x: Any, name: str) -> None:
         cupy = _cupy()
         if cupy is None or not isinstance(x, cupy.ndarray):
             hint = "" if cupy is not None else " (CuPy is not installed)"
             raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__name__}{hint}")
+
+    @staticmethod
+    def _ptr(x: Any) -> int:
+        return int(x.data.ptr)
+
+    def _array(self, x: Any, name: str, dtype: np.dtype, size: int | None) -> Any:
+        self._check_type(x, name)
         if x.dtype != dtype:
             raise TypeError(
                 f"{name}.dtype={x.dtype.name} differs from {dtype.name}; "
@@ -286,7 +302,7 @@ class CudaCKernels:
         for i, s in enumerate(sources):
             self._array(s, f"sources[{i}]", row.dtype, n)
         m = table.MAX_SOURCES
-        if len(sources) > m and any(s.data.ptr == dst.data.ptr for s in sources[1:]):
+        if len(sources) > m and any(self._ptr(s) == self._ptr(dst) for s in sources[1:]):
             raise ValueError(
                 f"dst is one of sources[1:] with {len(sources)} sources; with more than {m} "
                 "sources (chained launches) dst may only be sources[0] or a separate buffer"
@@ -295,7 +311,7 @@ class CudaCKernels:
         chunk, rest = list(sources[:m]), list(sources[m:])
         while True:
             pack = np.zeros(1, dtype=_SOURCES_DTYPE)
-            pack["ptr"][0, : len(chunk)] = [s.data.ptr for s in chunk]
+            pack["ptr"][0, : len(chunk)] = [self._ptr(s) for s in chunk]
             self._launch(
                 "reduce_n", row.dtype, cop, n, (dst, pack, np.int32(len(chunk)), np.int64(n))
             )

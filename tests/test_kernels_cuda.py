@@ -10,10 +10,16 @@ this module starts (only those whose tests were selected), overlapping the in-pr
 With a GPU: both backends on CuPy arrays against the host reducer, the 16-byte vector and
 scalar paths, misaligned slices, float semantics (subnormals under CuPy's -ftz, NaN),
 streams and large sizes. They skip with the reason "no CUDA GPU" when there is none.
+
+Without a GPU too, the same tests of kernel results run on "cuda_c-on-host": reduce.cu and
+common.cuh compiled for the CPU with the host's C++ compiler (tests/cuda_c_host.h runs
+each thread of a small grid in turn), driven by cuda_c's own launch code, and failing on
+any 16-byte access that would be misaligned on the GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
@@ -31,7 +37,7 @@ import pytest
 
 import pycoll
 from pycoll import kernels
-from pycoll.kernels import device, host, table
+from pycoll.kernels import cuda_c, device, host, table
 from pycoll.kernels.host import ReduceOp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +112,39 @@ def nvcc_unit() -> str:
     return "\n".join(lines) + "\n"
 
 
+HOST_CXX = shutil.which("g++") or shutil.which("c++")
+HOST_HEADER = Path(__file__).resolve().parent / "cuda_c_host.h"
+HOST_BACKEND = "cuda_c-on-host"
+
+
+def _host_include_dir() -> str | None:
+    """A CUDA toolkit's headers for a host compiler (the pip wheels' lack crt/, which NVRTC
+    builds in)."""
+    homes = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    if NVCC is not None:
+        homes.insert(2, str(Path(NVCC).resolve().parent.parent))
+    for home in homes:
+        if home and (Path(home) / "include" / "crt" / "host_defines.h").exists():
+            return str(Path(home) / "include")
+    return None
+
+
+HAVE_HOST_BUILD = HOST_CXX is not None and _host_include_dir() is not None
+
+
+def host_unit() -> tuple[str, dict[str, str]]:
+    """The host build of every instance (tests/cuda_c_host.h), and {name expression: symbol}."""
+    lines = ['#include "cuda_c_host.h"', ""]
+    symbols: dict[str, str] = {}
+    for i, (kernel, dt, op) in enumerate(table.instances()):
+        name = table.name_expression(kernel, dt, op)
+        symbols[name] = f"pycoll_host_{i}"
+        adapter = "host_" + name.removeprefix("pycoll::")
+        lines.append(f'extern "C" void pycoll_host_{i}(PYCOLL_HOST_ARGS) {{ '
+                     f"{adapter}(g, b, p, k, n, r); }}")
+    return "\n".join(lines) + "\n", symbols
+
+
 _NVRTC_SCRIPT = """\
 import json, sys
 from pycoll.kernels import cuda_c
@@ -139,6 +178,14 @@ def _job_commands(tmp: Path) -> dict[str, list[str]]:
                 str(tmp / f"all_{arch}.o"),
             ]
             (tmp / arch).mkdir(exist_ok=True)
+    if HAVE_HOST_BUILD:
+        (tmp / "host.cpp").write_text(host_unit()[0])
+        # -O1 keeps the 216 instances' build short; no strict aliasing: the kernels read
+        # element arrays through uint4 pointers, as CUDA does.
+        jobs["host"] = [HOST_CXX, "-std=c++17", "-O1", "-fno-strict-aliasing", "-fPIC",
+                        "-shared", f"-I{HOST_HEADER.parent}", f"-I{KERNEL_DIR}",
+                        f"-I{_host_include_dir()}", str(tmp / "host.cpp"),
+                        "-o", str(tmp / "host.so")]
     if HAVE_NVRTC:
         for arch in NVRTC_ARCHS:
             jobs[f"nvrtc_{arch}"] = [sys.executable, "-c", _NVRTC_SCRIPT, arch]
@@ -167,6 +214,8 @@ def _jobs_for(item: pytest.Item) -> list[str]:
         return [f"nvrtc_{params['arch']}"]
     if name == "test_numba_simulator_suite":
         return ["simulator"]
+    if params.get("gpu") == HOST_BACKEND:
+        return ["host"]
     return []
 
 
@@ -444,18 +493,92 @@ def _same(got: np.ndarray, want: np.ndarray) -> bool:
     return bool(np.array_equal(got, want))
 
 
-@pytest.fixture(params=BACKENDS)
+class HostCudaCKernels(cuda_c.CudaCKernels):
+    """cuda_c's reducer interface on numpy arrays, launching the host build of the same
+    kernels (tests/cuda_c_host.h): cuda_c's own argument checks, grid sizing and reduce_n
+    chaining, on a grid small enough to take many grid-stride turns."""
+
+    def __init__(self, lib: ctypes.CDLL, symbols: dict[str, str], threads: int, sms: int):
+        super().__init__(threads=threads, blocks_per_sm=1)
+        self._lib, self._symbols, self._sm_total = lib, symbols, sms
+
+    def _sms(self) -> int:
+        return self._sm_total
+
+    def _check_type(self, x, name: str) -> None:
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray here, got {type(x).__name__}")
+
+    @staticmethod
+    def _ptr(x) -> int:
+        return int(x.ctypes.data)
+
+    def _run(self, kernel, dtype, op, blocks, args) -> None:
+        pointers: list[int] = []
+        numbers: list[int] = []
+        for arg in args:
+            if isinstance(arg, np.ndarray) and arg.dtype == cuda_c._SOURCES_DTYPE:
+                pointers.extend(int(v) for v in arg["ptr"][0])
+            elif isinstance(arg, np.ndarray):
+                pointers.append(self._ptr(arg))
+            else:
+                numbers.append(int(arg))
+        k, n, r = {"reduce_n": lambda: (*numbers, 0), "divide": lambda: (0, *numbers)}.get(
+            kernel, lambda: (0, numbers[0], 0))()
+        fn = getattr(self._lib, self._symbols[table.name_expression(kernel, dtype, op)])
+        fn(ctypes.c_uint(blocks), ctypes.c_uint(self._threads),
+           (ctypes.c_void_p * len(pointers))(*pointers), ctypes.c_int(k),
+           ctypes.c_longlong(n), ctypes.c_longlong(r))
+
+    def misaligned(self) -> int:
+        return int(self._lib.pycoll_host_misaligned_count())
+
+
+class _NumpyAsDevice:
+    """What the GPU tests call on cupy, for numpy arrays (asarray copies, as to a device)."""
+
+    asnumpy = staticmethod(np.asarray)
+    zeros = staticmethod(np.zeros)
+    zeros_like = staticmethod(np.zeros_like)
+
+    @staticmethod
+    def asarray(x):
+        return np.array(x, copy=True)
+
+
+@pytest.fixture(scope="module")
+def host_build(jobs):
+    rc, log = jobs.result("host")
+    assert rc == 0, log
+    lib = ctypes.CDLL(str(jobs.tmp / "host.so"))
+    lib.pycoll_host_misaligned_count.restype = ctypes.c_longlong
+    return lib, host_unit()[1]
+
+
+@pytest.fixture(params=[*BACKENDS, HOST_BACKEND])
 def gpu(request):
+    """(cupy-like module, kernels, backend): the GPU backends, and the CUDA C kernels built
+    for the CPU (no GPU needed: CI runs that one)."""
+    if request.param == HOST_BACKEND:
+        if not HAVE_HOST_BUILD:
+            pytest.skip("no C++ compiler or CUDA headers for the host build")
+        lib, symbols = request.getfixturevalue("host_build")
+        kernels = HostCudaCKernels(lib, symbols, threads=32, sms=2)
+        before = kernels.misaligned()
+        yield _NumpyAsDevice, kernels, request.param
+        assert kernels.misaligned() == before, "a 16-byte access the GPU would fault on"
+        return
+    if not HAVE_GPU:
+        pytest.skip("no CUDA GPU")
     if not HAVE_CUPY:
         pytest.skip("CuPy not installed")
     if request.param == "numba" and not HAVE_NUMBA_CUDA:
         pytest.skip("numba-cuda not installed")
     import cupy
 
-    return cupy, device.gpu_kernels(backend=request.param), request.param
+    yield cupy, device.gpu_kernels(backend=request.param), request.param
 
 
-@needs_gpu
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dt", GPU_DTYPES, ids=_ids)
 def test_gpu_every_kernel_matches_host(gpu, dt, op):
@@ -491,7 +614,6 @@ def test_gpu_every_kernel_matches_host(gpu, dt, op):
         assert _same(cp.asnumpy(got), c), n
 
 
-@needs_gpu
 @pytest.mark.parametrize("dt", GPU_DTYPES, ids=_ids)
 def test_gpu_vector_head_tail_and_scalar_paths(gpu, dt):
     # Slices at every element offset in a 16-byte window: equal offsets take the scalar
@@ -514,7 +636,6 @@ def test_gpu_vector_head_tail_and_scalar_paths(gpu, dt):
                 assert not cp.asnumpy(dst[oa + size :]).any(), "wrote past the slice"
 
 
-@needs_gpu
 def test_gpu_float_semantics(gpu):
     # Subnormals survive (CuPy compiles with -ftz=true), NaN propagates through min/max,
     # and non-integer data round exactly as on the host.
@@ -551,7 +672,6 @@ def test_gpu_float_semantics(gpu):
             assert _same(cp.asnumpy(got), _host(op, dt, [x, y], 7)), (dt, op)
 
 
-@needs_gpu
 @pytest.mark.parametrize("dt", [dt for dt in GPU_DTYPES if dt.kind in "iu"], ids=_ids)
 def test_gpu_integer_avg_truncates_and_sums_wrap(gpu, dt):
     cp, k, _ = gpu
@@ -570,8 +690,9 @@ def test_gpu_integer_avg_truncates_and_sums_wrap(gpu, dt):
 
 
 @needs_gpu
-def test_gpu_given_stream_and_large_sizes(gpu):
-    cp, _, backend = gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_given_stream_and_large_sizes(backend):
+    cp = pytest.importorskip("cupy")
     stream = cp.cuda.Stream(non_blocking=True)
     k = device.gpu_kernels(stream=stream, backend=backend)
     n = (1 << 26) + 3
