@@ -140,6 +140,9 @@ class PeerMemoryTransport:
     """
 
     delivers = True  # irecv takes ``combine``: the reduction reads the inbox directly
+    # A slot lent to ``combine`` is rewritten only after the next irecv's event record, so
+    # work queued on the stream before the next call still reads this step's data.
+    lends_until_next_step = True
 
     def __init__(
         self, space: Any, access: PeerAccess, credits: Any, notices: Any,

@@ -680,7 +680,7 @@ def _run(
     prepared = comm.prepared.get(key)
     if prepared is None:
         prepared = _prepare(comm, key)
-    schedule, program, reduce, plan = prepared
+    schedule, program, reduce, reduce_n, plan = prepared
     if select.DEBUG and not comm.agreeing:  # the agreement's own exchange is not news
         select.report(plan, comm.rank)
     source = x if x.ndim == 1 else x.reshape(-1)
@@ -703,7 +703,7 @@ def _run(
         scratch = comm.buffer("scratch", program.scratch_elements, target.dtype, space)
     try:
         run(program, source, target, transport, tag, reduce, space, scratch,
-            f"{collective.value} ({schedule.algorithm})", comm.traffic.add)
+            f"{collective.value} ({schedule.algorithm})", comm.traffic.add, reduce_n)
     except CollectiveTimeout as error:
         raise _broken(comm, error) from None
 
@@ -760,9 +760,13 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
         Layout(list(work_blocks), schedule.nsegments),
     )
     reduce = space.reducer(op, dtype) if op is not None else _no_reduction
+    # one pass over every rank's piece (device kernels), where the program has such steps
+    reduce_n = (space.reducer_n(op, dtype)
+                if op is not None and program.has_reduce_groups and hasattr(space, "reducer_n")
+                else None)
     if len(comm.prepared) >= PREPARED_CALLS:  # a long size sweep: start over rather than grow
         comm.prepared.clear()
-    comm.prepared[key] = prepared = (schedule, program, reduce, plan)
+    comm.prepared[key] = prepared = (schedule, program, reduce, reduce_n, plan)
     return prepared
 
 

@@ -577,6 +577,7 @@ class Renumbered:
     def __init__(self, inner: Any, members: list[int]):
         self.inner, self.members = inner, members
         self.delivers = inner.delivers
+        self.lends_until_next_step = getattr(inner, "lends_until_next_step", False)
         self.rank = members[inner.rank]
         if hasattr(inner, "names"):  # its errors name ranks as the communicator does
             inner.names = members

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pycoll.bindings.transport import CollectiveTimeout, Transport, WaitTimeout
+from pycoll.kernels.table import MAX_SOURCES
 from pycoll.schedule import Buffer, Layout, Recv, Schedule, Send, seeded_chunks
 from pycoll.spaces import HOST
 
@@ -55,6 +56,13 @@ class Program:
     seeds: tuple[tuple[int, int, int, int], ...]  # INPUT start, stop -> WORK start, stop
     steps: tuple[tuple[tuple[Receive, ...], tuple[Transmit, ...]], ...]
     scratch_elements: int  # the most any step reduces at once
+    # Per step: the positions of receives that reduce into one range (two or more, as the
+    # direct schedules' every-rank-to-one), which an n-ary reduce can do in one pass.
+    reduce_groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
+
+    @property
+    def has_reduce_groups(self) -> bool:
+        return any(self.reduce_groups)
 
 
 def compile_program(
@@ -79,6 +87,7 @@ def compile_program(
             seeds.append((*pending.pop(chunk), *work_layout.chunk_range(chunk)))
 
     steps = []
+    groups = []
     most = 0
     joined = schedule.joined
     for index, step in enumerate(schedule.steps[rank]):
@@ -143,9 +152,18 @@ def compile_program(
         most = max(most, used)
         if receives or transmits:
             steps.append((tuple(receives), tuple(transmits)))
+            groups.append(_reduce_groups(receives))
     for chunk in list(pending):  # never touched by a step: part of the result as seeded
         materialize(chunk)
-    return Program(tuple(seeds), tuple(steps), most)
+    return Program(tuple(seeds), tuple(steps), most, tuple(groups))
+
+
+def _reduce_groups(receives: list[Receive]) -> tuple[tuple[int, ...], ...]:
+    ranges: dict[tuple[int, int], list[int]] = {}
+    for i, r in enumerate(receives):
+        if r.scratch >= 0:
+            ranges.setdefault((r.start, r.stop), []).append(i)
+    return tuple(tuple(members) for members in ranges.values() if len(members) > 1)
 
 
 def _in_rank_order(receives: list[Receive], rank: int) -> None:
@@ -183,6 +201,7 @@ def run(
     scratch: Any = None,
     what: str = "collective",
     count: Callable[[int, int], None] | None = None,
+    reduce_n: Callable[[Any, list], None] | None = None,
 ) -> None:
     """Seed WORK from INPUT (flat views), then run the program's steps in order.
 
@@ -191,7 +210,10 @@ def run(
     combines the incoming data where it lands (a peer-memory inbox, a staging buffer);
     otherwise data arrives in ``scratch`` (at least ``program.scratch_elements`` long; made
     here when not given) and is reduced here. ``count(peer, nbytes)``, when given, is told
-    of every message handed to the transport (pycoll/traffic.py).
+    of every message handed to the transport (pycoll/traffic.py). ``reduce_n(dst, sources)``,
+    when given, and when the transport ``lends_until_next_step`` (what it lends a combine stays
+    readable until its next call), does a step's reductions into one range in one pass
+    after the step's messages are in, folding in the same order as one by one.
     """
     for in_start, in_stop, work_start, work_stop in program.seeds:
         target = work[work_start:work_stop]
@@ -203,7 +225,10 @@ def run(
     at = [0]  # the step being run, for a timeout's message
     try:
         if getattr(transport, "delivers", False):
-            _run_delivered(program, source, work, transport, tag, reduce, space, at, count)
+            if reduce_n is None or not getattr(transport, "lends_until_next_step", False):
+                reduce_n = None
+            _run_delivered(program, source, work, transport, tag, reduce, space, at, count,
+                           reduce_n)
         else:
             _run_steps(program, source, work, transport, tag, reduce, space, scratch, at,
                        count)
@@ -250,13 +275,20 @@ def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at
 
 
 def _run_delivered(program: Program, source, work, transport, tag: int, reduce: Reducer,
-                   space: Any, at: list[int], count) -> None:
+                   space: Any, at: list[int], count, reduce_n) -> None:
     for index, (receives, transmits) in enumerate(program.steps):
         at[0] = index
+        groups = program.reduce_groups[index] if reduce_n is not None else ()
+        lent: dict[int, Any] = {}  # position in receives -> what the transport lent
+        grouped = {i for members in groups for i in members}
         requests = []
-        for r in receives:
-            combine = (None if r.scratch < 0
-                       else functools.partial(_reduce, reduce, space, work, source, r))
+        for i, r in enumerate(receives):
+            if r.scratch < 0:
+                combine = None
+            elif i in grouped:
+                combine = functools.partial(lent.__setitem__, i)
+            else:
+                combine = functools.partial(_reduce, reduce, space, work, source, r)
             requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag, combine))
         for t in transmits:
             out = (source if t.from_input else work)[t.start : t.stop]
@@ -264,6 +296,34 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
                 count(t.peer, out.nbytes)
             requests.append(transport.isend(out, t.peer, tag))
         transport.waitall(requests)
+        for members in groups:
+            _reduce_group(reduce, reduce_n, space, work, source,
+                          [(receives[i], lent[i]) for i in members])
+
+
+def _reduce_group(reduce: Reducer, reduce_n, space: Any, work, source,
+                  members: list[tuple[Receive, Any]]) -> None:
+    """The reductions of ``members`` (one range, listed order) as one n-ary fold: the
+    sources in exactly the order that ``_reduce`` one by one would combine them."""
+    first = members[0][0]
+    target = work[first.start : first.stop]
+    sources: list[Any] = []
+    for r, incoming in members:
+        own = None if r.fused is None else source[r.fused[0] : r.fused[1]]
+        if r.fused is None and r.first:  # target = incoming
+            sources = [incoming]
+        elif r.fused is not None and not r.own_last:  # target = own op incoming
+            sources = [own, incoming]
+        elif r.fused is not None and r.first:  # target = incoming op own
+            sources = [incoming, own]
+        else:  # target op= incoming (then op= own)
+            sources = sources or [target]
+            sources += [incoming] if own is None else [incoming, own]
+    if len(sources) > MAX_SOURCES:  # one launch's worth; chained launches would need dst
+        for r, incoming in members:  # to be none of the later sources: one by one instead
+            _reduce(reduce, space, work, source, r, incoming)
+        return
+    reduce_n(target, sources)
 
 
 def _reduce(reduce: Reducer, space: Any, work, source, receive: Receive, incoming,

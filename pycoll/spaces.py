@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -117,6 +117,11 @@ class CudaSpace:
 
     def reducer(self, op: ReduceOp, dtype: np.dtype) -> Callable[..., None]:
         return complex_as_real(_gpu_kernels().reducer, op, dtype)
+
+    def reducer_n(self, op: ReduceOp, dtype: np.dtype) -> Callable[[Any, list], None]:
+        """``reduce_n(dst, sources)``: dst = sources[0] op sources[1] op ... in one pass over
+        memory (the direct schedules' reduction of every rank's piece)."""
+        return complex_as_real_n(_gpu_kernels().reduce_n, op, dtype)
 
     def finish(self, work: Any, op: ReduceOp, nranks: int) -> None:
         _gpu_kernels().finish(real_view(work), op, nranks)
@@ -221,6 +226,19 @@ def complex_as_real(reducer_of: Callable[[ReduceOp, np.dtype], Callable[..., Non
         reduce(dst.view(real), src.view(real), None if first is None else first.view(real))
 
     return reduce_pairs
+
+
+def complex_as_real_n(reduce_n: Callable[[Any, Sequence[Any], ReduceOp], None], op: ReduceOp,
+                      dtype: Any) -> Callable[[Any, Sequence[Any]], None]:
+    """``complex_as_real`` for the kernels' n-ary ``reduce_n(dst, sources, op)``."""
+    dtype = np.dtype(dtype)
+    if dtype.kind != "c":
+        return lambda dst, sources: reduce_n(dst, sources, op)
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise TypeError(f"op={op.value!r} on {dtype.name} device arrays has no GPU kernel; "
+                        "allowed for complex device arrays: sum, avg")
+    real = _real_of(dtype)
+    return lambda dst, sources: reduce_n(dst.view(real), [s.view(real) for s in sources], op)
 
 
 def real_view(work: Any) -> Any:

@@ -171,6 +171,7 @@ class FakeDevice:
         self._local = threading.local()
         self._streams: list[FakeStream] = []
         self.operations = 0
+        self.n_ary_reductions = 0  # reduce_n launches (the direct schedules' one-pass fold)
         self.allocations: list[FakeAllocation] = []
         self._freed: dict[int, np.ndarray] = {}  # id -> buffer of each freed allocation
 
@@ -297,6 +298,31 @@ class FakeDevice:
             self._enqueue(run, "reduce")
 
         return reduce
+
+    def reducer_n(self, op: Any, dtype: Any):
+        op = kernels.ReduceOp.parse(op)
+        return spaces.complex_as_real_n(self._kernel_reduce_n, op, dtype)
+
+    def _kernel_reduce_n(self, dst: Any, sources: list, op: Any) -> None:
+        # as the GPU's reduce_n: one launch of at most MAX_SOURCES sources, each element read
+        # from every source before dst's is written (dst may be any of them)
+        host = kernels.reducer(table.combine_op(op), table.gpu_dtype(dst.dtype).dtype)
+        if not 1 <= len(sources) <= table.MAX_SOURCES:
+            raise ValueError(f"{len(sources)} sources; one launch takes 1..{table.MAX_SOURCES}")
+        if any(s.shape != dst.shape or s.dtype != dst.dtype for s in sources):
+            raise ValueError("reduce_n: every source must have dst's shape and dtype")
+        with self._lock:
+            self.n_ary_reductions += 1
+
+        def run() -> None:
+            self._check_live(dst, *sources)
+            acc = np.array(sources[0], copy=True).view(np.ndarray)
+            with np.errstate(all="ignore"):
+                for src in sources[1:]:
+                    host(acc, np.asarray(src).view(np.ndarray))
+            np.asarray(dst)[...] = acc
+
+        self._enqueue(run, "reduce_n")
 
     def finish(self, work: Any, op: Any, nranks: int) -> None:
         work = spaces.real_view(work)

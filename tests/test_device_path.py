@@ -645,3 +645,32 @@ def test_async_calls_run_on_the_callers_device(device, monkeypatch):
     for out in pycoll.run_local(2, body):
         assert out.tolist() == [2] * 50
     assert seen and set(seen) == {1}
+
+
+@pytest.mark.parametrize("nranks", [3, 4, 7, 17])
+@pytest.mark.parametrize("collective,algorithm", [("allreduce", "direct"),
+                                                  ("allreduce", "two_shot"),
+                                                  ("reduce_scatter", "direct")])
+def test_every_ranks_piece_is_folded_in_one_pass_in_rank_order(peer_device, collective,
+                                                               algorithm, nranks):
+    """Where a step reduces several ranks' pieces into one range (the direct schedules), peer
+    memory folds them with one n-ary reduce after the step's messages are in, in the order
+    one-by-one reductions take: the bits are the host path's (non-integer floats, where the
+    order shows). Beyond one launch's 16 sources (17 ranks) it reduces one by one."""
+    rng = np.random.default_rng(nranks)
+    count = 16 * nranks + 3
+    inputs = [rng.standard_normal(count).astype(np.float32) for _ in range(nranks)]
+    counts = [count // nranks + (r < count % nranks) for r in range(nranks)]
+
+    def call(x):
+        if collective == "allreduce":
+            return pycoll.allreduce(x, "sum", algorithm=algorithm)
+        return pycoll.reduce_scatter(x, "sum", counts=counts, algorithm=algorithm)
+
+    before = peer_device.n_ary_reductions
+    results = on_device(peer_device, nranks, lambda r: call(device_array(inputs[r])))
+    folded = peer_device.n_ary_reductions - before
+    assert folded == (0 if nranks > 16 else nranks), folded  # one per rank: its own piece
+    host = pycoll.run_local(nranks, lambda: call(inputs[pycoll.world().rank]))
+    for got, want in zip(results, host, strict=True):
+        np.testing.assert_array_equal(got, want)
