@@ -129,8 +129,38 @@ def _dtype_name(text: str) -> str:
 
 
 def _ranks_flag(ranks: int | None) -> None:
-    if ranks is not None and ranks < 1:
+    if ranks is None:
+        return
+    if ranks < 1:
         raise ValueError(f"--ranks={ranks}; allowed: an int >= 1 (in-process ranks)")
+    from pycoll.bindings.mpi import launched_by_mpi
+
+    if launched_by_mpi():
+        import pycoll
+
+        size = pycoll.world().size
+        if size > 1:
+            raise ValueError(
+                f"--ranks={ranks} runs in-process ranks, but this is one of {size} MPI "
+                "processes; allowed: mpiexec (its processes are the ranks) or --ranks, not both"
+            )
+
+
+def _refuse(command: str, error: Exception) -> int:
+    """A bad command line: every rank of an MPI job finds it, rank 0 alone says it."""
+    from pycoll.bindings.mpi import launched_by_mpi
+
+    rank = 0
+    if launched_by_mpi():
+        try:
+            import pycoll
+
+            rank = pycoll.world().rank
+        except Exception:  # no working MPI: say it everywhere rather than nowhere
+            rank = 0
+    if rank == 0:
+        print(f"{command}: {error}", file=sys.stderr)
+    return 2
 
 
 def _writable(path: str | None, flag: str) -> None:
@@ -172,9 +202,12 @@ def _bench(args: argparse.Namespace) -> int:
         _ranks_flag(args.ranks)
         _writable(args.json, "--json")
         _writable(args.csv, "--csv")
+        if args.ranks is not None and args.against:
+            raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
+    except (ValueError, TypeError, RuntimeError) as error:
+        return _refuse("pycoll bench", error)
+    try:
         if args.ranks is not None:
-            if args.against:
-                raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
             results = pycoll.run_local(
                 args.ranks, lambda: bench.run(options, pycoll.world(), bench.progress_bar)
             )
@@ -218,6 +251,9 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
         _writable(args.output and f"{args.output}.md", "--output")
         if bench.COLLECTIVES[args.collective] is bench.Collective.ALLTOALL:
             raise ValueError("collective='alltoall' has one algorithm (direct): nothing to compare")
+    except (ValueError, TypeError) as error:
+        return _refuse("pycoll compare", error)
+    try:
         if args.ranks is not None:
             result = pycoll.run_local(
                 args.ranks, lambda: compare.run(options, pycoll.world())

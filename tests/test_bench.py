@@ -84,6 +84,21 @@ def test_against_native_mpi_under_mpiexec(tmp_path):
     assert len(rows) == 8 and all(r["native_time_us"] > 0 and r["wrong"] == 0 for r in rows)
 
 
+@pytest.mark.parametrize("command,args,message", [
+    ("bench", ["--iters", "0"], "iters=0"),
+    ("bench", ["--ranks", "3"], "--ranks=3 runs in-process ranks, but this is one of 3 MPI"),
+    ("compare", ["--ranks", "2"], "--ranks=2 runs in-process ranks, but this is one of 3 MPI"),
+])
+def test_a_bad_command_line_under_mpiexec_is_said_once(command, args, message):
+    done = subprocess.run(
+        [mpiexec(), "-n", "3", sys.executable, "-m", "pycoll", command, "allreduce", *args],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count(message) == 1, done.stderr
+    assert done.stdout == "", done.stdout  # and nothing ran
+
+
 def test_kernel_bench_says_plainly_when_there_is_no_gpu(capsys):
     from pycoll import bench_kernels
 
