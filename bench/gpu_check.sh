@@ -33,10 +33,12 @@ within() { local left=$((deadline - SECONDS)); echo $(( left < $1 ? (left > 1 ? 
 # keeps the source folder from shadowing the installed package (kernels/ maps to pycoll.kernels).
 site=$(mktemp -d)
 prefix=$(mktemp -d)  # wheels go to a prefix: the mpich wheel's libmpi lands in $prefix/lib
-if ls .whl/*.whl >/dev/null 2>&1; then
+install_wheels() {
   "$python" -m pip install -q --no-index --no-deps --no-compile --ignore-installed \
-    --prefix "$prefix" .whl/*.whl
-fi
+    --prefix "$prefix" "$@"
+}
+mapfile -t wheels_here < <(ls .whl/*.whl 2>/dev/null | grep -v '/numpy-')
+[ "${#wheels_here[@]}" -eq 0 ] || install_wheels "${wheels_here[@]}"
 # pycoll laid out as pyproject.toml maps it (kernels/ and bindings/ inside the package), by
 # copying: no build backend (setuptools, wheel) is needed there.
 cp -r pycoll "$site/" && cp -r kernels "$site/pycoll/kernels" && cp -r bindings "$site/pycoll/bindings" \
@@ -49,6 +51,27 @@ export LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONSAFEPATH=1  # every python, MPI ranks too: the source tree must not shadow pycoll
 { command -v mpiexec; "$python" -c "from mpi4py import MPI; print(MPI.Get_library_version()[:40])"; \
   } 2>&1 | tee -a "$out/environment.txt"
+
+# numba-cuda 0.30 cannot compile under numpy 2.5 (np.row_stack is gone; NVIDIA/numba-cuda#907,
+# not to be fixed): where the machine's pair fails, the numpy 2.4 wheel from .whl goes first
+# on the path (CuPy works with it), so that the Numba kernels are measured too.
+numba_compiles() {
+  timeout "$(within 60)" "$python" -P -c "
+from numba import cuda
+def one(x):
+    x[0] = 1
+cuda.compile_ptx(one, 'void(float32[:])', cc=(9, 0))" >/dev/null 2>&1
+}
+if ! numba_compiles; then
+  numpy_here=$("$python" -P -c "import numpy; print(numpy.__version__)" 2>&1)
+  if ls .whl/numpy-*.whl >/dev/null 2>&1 && install_wheels .whl/numpy-*.whl && numba_compiles; then
+    echo "numba-cuda cannot compile under numpy $numpy_here: numpy from .whl put first" \
+      "($("$python" -P -c "import numpy; print(numpy.__version__)"))"
+  else
+    echo "numba-cuda cannot compile under numpy $numpy_here (no numpy wheel helped):" \
+      "the Numba kernels will fail"
+  fi 2>&1 | tee -a "$out/environment.txt"
+fi
 
 # 0. Preflight, for reading a failed run: what CuPy and Numba see, and one tiny kernel each.
 timeout "$(within 60)" "$python" -P -c "

@@ -181,6 +181,25 @@ def simulator_enabled() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
+def _load_numpy_support() -> None:
+    import numba.cuda.np.arrayobj  # noqa: F401
+
+
+@functools.cache
+def check_numba_cuda_loads() -> None:
+    """numba-cuda 0.30 loads its numpy overloads at the first compile, and under numpy >= 2.5
+    that fails (np.row_stack is gone; NVIDIA/numba-cuda#907, which its maintainers will not
+    fix): say so when the kernels are made, not deep inside the first launch."""
+    try:
+        _load_numpy_support()
+    except AttributeError as error:
+        raise RuntimeError(
+            f"the Numba kernels need numba-cuda's numpy support, which fails to load under "
+            f"numpy {np.__version__} ({error}; NVIDIA/numba-cuda#907); allowed: "
+            "PYCOLL_KERNELS=cupy (the CUDA C kernels), or numpy<2.5"
+        ) from None
+
+
 def _family(row: table.GpuDtype) -> str:
     if row.dtype in (_BF16, _F16):
         return row.dtype.name
@@ -308,6 +327,8 @@ class NumbaKernels:
         self._threads = threads
         self._max_blocks = max_blocks
         self._sim = simulator_enabled()
+        if not self._sim:  # the simulator has no numba.cuda.np
+            check_numba_cuda_loads()
         self._reducers: dict[tuple[ReduceOp, np.dtype], Callable[..., None]] = {}
 
     # ------------------------------------------------------------------ launching

@@ -430,6 +430,26 @@ def test_numba_kernels_compile_to_ptx_for_sm90(dt):
 
 
 @pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda not installed")
+def test_numba_kernels_say_when_numba_cuda_cannot_load_under_this_numpy(monkeypatch):
+    if os.environ.get("NUMBA_ENABLE_CUDASIM"):
+        pytest.skip("NUMBA_ENABLE_CUDASIM is set in this process: the check is not made there")
+    from pycoll.kernels import numba_cuda
+
+    def numpy_2_5():  # what numba-cuda 0.30 does under numpy 2.5
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    monkeypatch.setattr(numba_cuda, "_load_numpy_support", numpy_2_5)
+    numba_cuda.check_numba_cuda_loads.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"numba-cuda#907\); allowed: PYCOLL_KERNELS=cupy"):
+            numba_cuda.NumbaKernels()
+    finally:
+        numba_cuda.check_numba_cuda_loads.cache_clear()
+    monkeypatch.undo()
+    numba_cuda.check_numba_cuda_loads()  # here it loads
+
+
+@pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda not installed")
 def test_numba_grid_fills_every_sm_of_an_h200(monkeypatch):
     if os.environ.get("NUMBA_ENABLE_CUDASIM"):
         pytest.skip("NUMBA_ENABLE_CUDASIM is set in this process: tests/cudasim checks its grid")
