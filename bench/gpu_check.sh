@@ -33,6 +33,8 @@ within() { local left=$((deadline - SECONDS)); echo $(( left < $1 ? (left > 1 ? 
 # keeps the source folder from shadowing the installed package (kernels/ maps to pycoll.kernels).
 site=$(mktemp -d)
 prefix=$(mktemp -d)  # wheels go to a prefix: the mpich wheel's libmpi lands in $prefix/lib
+numpy_prefix=$(mktemp -d)
+trap 'rm -rf "$site" "$prefix" "$numpy_prefix" "$work"' EXIT
 install_wheels() {
   "$python" -m pip install -q --no-index --no-deps --no-compile --ignore-installed \
     --prefix "$prefix" "$@"
@@ -62,15 +64,24 @@ def one(x):
     x[0] = 1
 cuda.compile_ptx(one, 'void(float32[:])', cc=(9, 0))" >/dev/null 2>&1
 }
+numpy_version() { "$python" -P -c "import numpy; print(numpy.__version__)" 2>/dev/null || echo "(none)"; }
 if ! numba_compiles; then
-  numpy_here=$("$python" -P -c "import numpy; print(numpy.__version__)" 2>&1)
-  if ls .whl/numpy-*.whl >/dev/null 2>&1 && install_wheels .whl/numpy-*.whl && numba_compiles; then
-    echo "numba-cuda cannot compile under numpy $numpy_here: numpy from .whl put first" \
-      "($("$python" -P -c "import numpy; print(numpy.__version__)"))"
+  numpy_here=$(numpy_version)
+  # a prefix of its own, put on the path only if it helps
+  numpy_site=$("$python" -c "import sysconfig; print(sysconfig.get_path('platlib', \
+    vars={'base': '$numpy_prefix', 'platbase': '$numpy_prefix'}))")
+  if ls .whl/numpy-*.whl >/dev/null 2>&1 \
+    && "$python" -m pip install -q --no-index --no-deps --no-compile --ignore-installed \
+      --prefix "$numpy_prefix" .whl/numpy-*.whl \
+    && PYTHONPATH="$numpy_site:$PYTHONPATH" numba_compiles; then
+    export PYTHONPATH="$numpy_site:$PYTHONPATH"
+    said="numba-cuda cannot compile under numpy $numpy_here: numpy $(numpy_version) from .whl"
+    said+=" put first"
   else
-    echo "numba-cuda cannot compile under numpy $numpy_here (no numpy wheel helped):" \
-      "the Numba kernels will fail"
-  fi 2>&1 | tee -a "$out/environment.txt"
+    said="numba-cuda cannot compile under numpy $numpy_here, with or without .whl's numpy:"
+    said+=" the Numba kernels will fail"
+  fi
+  echo "$said" | tee -a "$out/environment.txt"
 fi
 
 # 0. Preflight, for reading a failed run: what CuPy and Numba see, and one tiny kernel each.

@@ -29,7 +29,7 @@ constexpr int kMaxSources = 16;
 
 // ---------------------------------------------------------------- float32 without ftz
 
-// On the GPU, inline PTX; in a host build (tests/test_cuda_c_on_host.py runs these kernels
+// On the GPU, inline PTX; in a host build (tests/test_kernels_cuda.py runs these kernels
 // on the CPU) plain C++, which on x86-64 keeps subnormals and rounds to nearest even too.
 __device__ __forceinline__ float f32_add(float a, float b) {
 #ifdef __CUDA_ARCH__

@@ -146,21 +146,31 @@ def _ranks_flag(ranks: int | None) -> None:
             )
 
 
-def _refuse(command: str, error: Exception) -> int:
-    """A bad command line: every rank of an MPI job finds it, rank 0 alone says it."""
+def _command_line_ok(command: str, error: Exception | None) -> bool:
+    """Whether every rank found its command line good. In an MPI job the ranks compare
+    (a path may be writable on one node and not another): rank 0 says each distinct error
+    once, naming the ranks when not all had it, and every rank stops, none left waiting."""
     from pycoll.bindings.mpi import launched_by_mpi
 
+    messages = [None if error is None else str(error)]
     rank = 0
     if launched_by_mpi():
         try:
             import pycoll
 
-            rank = pycoll.world().rank
-        except Exception:  # no working MPI: say it everywhere rather than nowhere
-            rank = 0
+            comm = pycoll.world()
+            rank = comm.rank
+            if comm.mpi_comm is not None and comm.size > 1:
+                messages = comm.mpi_comm.allgather(messages[0])
+        except Exception:  # no working MPI: each rank says its own
+            messages, rank = [None if error is None else str(error)], 0
+    bad = [(r, m) for r, m in enumerate(messages) if m is not None]
     if rank == 0:
-        print(f"{command}: {error}", file=sys.stderr)
-    return 2
+        for message in dict.fromkeys(m for _, m in bad):
+            ranks = [r for r, m in bad if m == message]
+            where = "" if len(ranks) == len(messages) else f" (rank {', '.join(map(str, ranks))})"
+            print(f"{command}{where}: {message}", file=sys.stderr)
+    return not bad
 
 
 def _writable(path: str | None, flag: str) -> None:
@@ -205,7 +215,11 @@ def _bench(args: argparse.Namespace) -> int:
         if args.ranks is not None and args.against:
             raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
     except (ValueError, TypeError, RuntimeError) as error:
-        return _refuse("pycoll bench", error)
+        bad = error
+    else:
+        bad = None
+    if not _command_line_ok("pycoll bench", bad):
+        return 2
     try:
         if args.ranks is not None:
             results = pycoll.run_local(
@@ -252,7 +266,11 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
         if bench.COLLECTIVES[args.collective] is bench.Collective.ALLTOALL:
             raise ValueError("collective='alltoall' has one algorithm (direct): nothing to compare")
     except (ValueError, TypeError) as error:
-        return _refuse("pycoll compare", error)
+        bad = error
+    else:
+        bad = None
+    if not _command_line_ok("pycoll compare", bad):
+        return 2
     try:
         if args.ranks is not None:
             result = pycoll.run_local(

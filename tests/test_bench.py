@@ -99,6 +99,24 @@ def test_a_bad_command_line_under_mpiexec_is_said_once(command, args, message):
     assert done.stdout == "", done.stdout  # and nothing ran
 
 
+def test_a_command_line_bad_on_one_rank_stops_every_rank(tmp_path):
+    # rank 1 runs where --json's folder is missing: it says so (naming the rank), and rank 0
+    # does not go on to wait for it in the benchmark
+    (tmp_path / "a" / "out").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    line = [sys.executable, "-m", "pycoll", "bench", "allreduce", "-b", "1K", "-e", "1K",
+            "--json", "out/rows.json"]
+    done = subprocess.run(
+        [mpiexec(), "-n", "1", "-wdir", str(tmp_path / "a"), *line,
+         ":", "-n", "1", "-wdir", str(tmp_path / "b"), *line],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    said = "pycoll bench (rank 1): --json out/rows.json: cannot write a file there"
+    assert done.stderr.count(said) == 1, done.stderr
+    assert not (tmp_path / "a" / "out" / "rows.json").exists()
+
+
 def test_kernel_bench_says_plainly_when_there_is_no_gpu(capsys):
     from pycoll import bench_kernels
 
