@@ -4,7 +4,7 @@
 # ReduceScatter and AllGather at 2 and 4 MPI ranks sharing the GPU through CUDA IPC, every
 # algorithm, with --check. Results go to $OUT (the device tool's folder) or
 # bench/results/gpu-raw.
-#   bash bench/fetch_wheels.sh   # here, with network: mpi4py + mpich wheels into .whl/
+#   bash bench/fetch_wheels.sh   # here, with network: mpi4py, mpich, numpy wheels into .whl/
 #   bash bench/gpu_check.sh      # there
 # Wheels that the machine lacks travel with the tree in .whl/ (see the device notes).
 # The device tool brings back at most 8 files from $OUT, so $OUT gets 7: environment.txt,
