@@ -35,12 +35,12 @@ site=$(mktemp -d)
 prefix=$(mktemp -d)  # wheels go to a prefix: the mpich wheel's libmpi lands in $prefix/lib
 numpy_prefix=$(mktemp -d)
 trap 'rm -rf "$site" "$prefix" "$numpy_prefix" "$work"' EXIT
-install_wheels() {
+install_wheels() {  # PREFIX WHEEL...
   "$python" -m pip install -q --no-index --no-deps --no-compile --ignore-installed \
-    --prefix "$prefix" "$@"
+    --prefix "$@"
 }
 mapfile -t wheels_here < <(ls .whl/*.whl 2>/dev/null | grep -v '/numpy-')
-[ "${#wheels_here[@]}" -eq 0 ] || install_wheels "${wheels_here[@]}"
+[ "${#wheels_here[@]}" -eq 0 ] || install_wheels "$prefix" "${wheels_here[@]}"
 # pycoll laid out as pyproject.toml maps it (kernels/ and bindings/ inside the package), by
 # copying: no build backend (setuptools, wheel) is needed there.
 cp -r pycoll "$site/" && cp -r kernels "$site/pycoll/kernels" && cp -r bindings "$site/pycoll/bindings" \
@@ -71,8 +71,7 @@ if ! numba_compiles; then
   numpy_site=$("$python" -c "import sysconfig; print(sysconfig.get_path('platlib', \
     vars={'base': '$numpy_prefix', 'platbase': '$numpy_prefix'}))")
   if ls .whl/numpy-*.whl >/dev/null 2>&1 \
-    && "$python" -m pip install -q --no-index --no-deps --no-compile --ignore-installed \
-      --prefix "$numpy_prefix" .whl/numpy-*.whl \
+    && install_wheels "$numpy_prefix" .whl/numpy-*.whl \
     && PYTHONPATH="$numpy_site:$PYTHONPATH" numba_compiles; then
     export PYTHONPATH="$numpy_site:$PYTHONPATH"
     said="numba-cuda cannot compile under numpy $numpy_here: numpy $(numpy_version) from .whl"

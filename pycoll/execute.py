@@ -159,6 +159,7 @@ def compile_program(
 
 
 def _reduce_groups(receives: list[Receive]) -> tuple[tuple[int, ...], ...]:
+    """Positions of the reductions that share a range, per range of two or more."""
     ranges: dict[tuple[int, int], list[int]] = {}
     for i, r in enumerate(receives):
         if r.scratch >= 0:
@@ -172,14 +173,10 @@ def _in_rank_order(receives: list[Receive], rank: int) -> None:
     ((x0 op x1) op x2) ... on every rank. Every rank then adds the same arrays the same way,
     so the direct AllReduce gives the same bits on every rank (and the same as the
     shared-memory one-shot's and two_shot's)."""
-    ranges: dict[tuple[int, int], list[int]] = {}
-    for i, r in enumerate(receives):
-        if r.scratch >= 0:
-            ranges.setdefault((r.start, r.stop), []).append(i)
-    for positions in ranges.values():
+    for positions in _reduce_groups(receives):
         members = [receives[i] for i in positions]
         own = members[0].fused
-        if len(members) < 2 or own is None or any(m.fused is not None for m in members[1:]):
+        if own is None or any(m.fused is not None for m in members[1:]):
             continue
         ordered = sorted(members, key=lambda m: m.peer)
         lower = sum(m.peer < rank for m in ordered)

@@ -543,8 +543,12 @@ class HostCudaCKernels(cuda_c.CudaCKernels):
                 pointers.append(self._ptr(arg))
             else:
                 numbers.append(int(arg))
-        k, n, r = {"reduce_n": lambda: (*numbers, 0), "divide": lambda: (0, *numbers)}.get(
-            kernel, lambda: (0, numbers[0], 0))()
+        if kernel == "reduce_n":  # (dst, sources, k, n)
+            (k, n), r = numbers, 0
+        elif kernel == "divide":  # (x, n, nranks)
+            k, (n, r) = 0, numbers
+        else:
+            k, (n,), r = 0, numbers, 0
         fn = getattr(self._lib, self._symbols[table.name_expression(kernel, dtype, op)])
         fn(ctypes.c_uint(blocks), ctypes.c_uint(self._threads),
            (ctypes.c_void_p * len(pointers))(*pointers), ctypes.c_int(k),
