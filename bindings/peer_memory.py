@@ -14,6 +14,15 @@ The protocol, NCCL's default in spirit: each rank owns one registered receive bu
    event and copies the slot into place, or reduces it into place (``combine``), the fused
    read-reduce the executor asks for.
 
+Forwarding (the ring's receive-reduce-send): an ``isend`` ``produced_by`` a receive is
+written by that receive's ``combine`` itself, which gets the peer's slot as a second
+argument and writes the reduced data there as it writes its own (one pass, where a
+reduction and then a copy take two); its notice goes out right then. Where a kernel on
+this device cannot reach the slot, ``combine`` gets None and the slot is then copied. The
+credit must be there by then, so ranks that forward post their receives a step ahead
+(pycoll/execute.py), and a slot is free for reuse once it has been delivered, not at the
+end of a step.
+
 Making an endpoint exchanges nothing (handles travel in the first credit and notice), so
 two ranks can start talking without the rest of the group: Send/Recv's endpoints are made
 by the pair alone.
@@ -97,14 +106,16 @@ class _Inbox:
 
 
 class _Outgoing:
-    __slots__ = ("buf", "peer", "tag", "credit", "credit_request", "notice", "notice_request")
+    __slots__ = ("buf", "peer", "tag", "credit", "credit_request", "notice", "notice_request",
+                 "forwarded")
 
-    def __init__(self, buf: Any, peer: int, tag: int):
+    def __init__(self, buf: Any, peer: int, tag: int, forwarded: bool = False):
         self.buf, self.peer, self.tag = buf, peer, tag
         self.credit = np.zeros(_CREDIT_WORDS, np.int64)
         self.notice = np.zeros(_NOTICE_WORDS, np.int64)  # kept here until it is sent
         self.credit_request = None
         self.notice_request = None
+        self.forwarded = forwarded  # written by a receive's combine (``produced_by``)
 
     def done(self) -> bool:
         return self.notice_request is not None
@@ -112,11 +123,12 @@ class _Outgoing:
 
 class _Incoming:
     __slots__ = ("buf", "peer", "tag", "inbox", "offset", "combine", "credit", "credit_request",
-                 "notice", "notice_request", "delivered")
+                 "notice", "notice_request", "delivered", "forward")
 
     def __init__(self, buf, peer, tag, inbox, offset, combine):
         self.buf, self.peer, self.tag = buf, peer, tag
         self.inbox, self.offset, self.combine = inbox, offset, combine
+        self.forward: _Outgoing | None = None  # the send this receive's combine writes
         self.credit = np.zeros(_CREDIT_WORDS, np.int64)
         self.credit_request = None
         self.notice = np.zeros(_NOTICE_WORDS, np.int64)
@@ -143,6 +155,7 @@ class PeerMemoryTransport:
     # A slot lent to ``combine`` is rewritten only after the next irecv's event record, so
     # work queued on the stream before the next call still reads this step's data.
     lends_until_next_step = True
+    forwards = True  # isend takes ``produced_by`` (see the module docstring)
 
     def __init__(
         self, space: Any, access: PeerAccess, credits: Any, notices: Any,
@@ -152,7 +165,7 @@ class PeerMemoryTransport:
         self.rank, self.size = credits.rank, credits.size
         self.names = list(range(self.size))  # how errors name each rank of the group
         self._inboxes: list[_Inbox] = []
-        self._used = 0  # bytes of the newest inbox claimed in the current step
+        self._claimed: list[tuple[int, int]] = []  # undelivered slots of the newest inbox
         self._mapped: dict[tuple[int, bytes], Any] = {}  # (peer, handle) -> opened inbox
         self._event = space.new_event()
         self._event_words = _words(access.export_event(self._event))
@@ -185,9 +198,18 @@ class PeerMemoryTransport:
 
     # -- the two-sided interface
 
-    def isend(self, buf: Any, peer: int, tag: int) -> _Outgoing:
+    def isend(self, buf: Any, peer: int, tag: int,
+              produced_by: _Incoming | None = None) -> _Outgoing:
+        """Send ``buf`` to ``peer``; with ``produced_by`` (a receive not yet waited for,
+        with a ``combine``), the data is what that combine makes, written into the peer's
+        slot by the combine itself (its second argument) when the receive is delivered."""
         self._on_current_stream()
-        request = _Outgoing(buf, peer, tag)
+        request = _Outgoing(buf, peer, tag, forwarded=produced_by is not None)
+        if produced_by is not None:
+            if produced_by.combine is None or produced_by.delivered or produced_by.forward:
+                raise ValueError("produced_by must be a receive with a combine, not yet "
+                                 "delivered, producing no other send")
+            produced_by.forward = request
         request.credit_request = self.credits.irecv(request.credit, peer, tag)
         return request
 
@@ -209,14 +231,17 @@ class PeerMemoryTransport:
         outgoing = [r for r in requests if isinstance(r, _Outgoing)]
         incoming = [r for r in requests if isinstance(r, _Incoming)]
         for r in outgoing:  # every credit was sent before its sender waited: no cycle
-            self.credits.waitall([r.credit_request])
-            self._write(r)
+            if not r.forwarded:
+                self.credits.waitall([r.credit_request])
+                self._write(r)
         for r in incoming:
-            self.notices.waitall([r.notice_request])
-            self._deliver(r)
+            if not r.delivered:
+                self.notices.waitall([r.notice_request])
+                self._deliver(r)
+        if any(r.notice_request is None for r in outgoing):
+            raise RuntimeError("waited for a forwarded send before the receive producing it")
         self.credits.waitall([r.credit_request for r in incoming])
         self.notices.waitall([r.notice_request for r in outgoing])
-        self._used = 0  # the step is over; its slots are free once the event says so
 
     def sendrecv(self, send: Any, dst: int, recv: Any, src: int, tag: int) -> None:
         self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
@@ -224,8 +249,13 @@ class PeerMemoryTransport:
     # -- the protocol's steps
 
     def _claim(self, nbytes: int) -> tuple[_Inbox, int]:
-        """A slot of ``nbytes`` (16-byte aligned, for the vector kernels) in the inbox."""
-        offset = -(-self._used // 16) * 16
+        """A slot of ``nbytes`` (16-byte aligned, for the vector kernels) in the inbox, clear
+        of every slot not yet delivered: the lowest such offset."""
+        offset = 0
+        for start, stop in sorted(self._claimed):
+            if offset + nbytes <= start:
+                break
+            offset = max(offset, -(-stop // 16) * 16)
         if not self._inboxes or offset + nbytes > self._inboxes[-1].capacity:
             # Grow: peers may hold the old inbox open, so it is kept (not freed) until close.
             least = max(nbytes, 2 * (self._inboxes[-1].capacity if self._inboxes else 0))
@@ -233,11 +263,12 @@ class PeerMemoryTransport:
             self._inboxes.append(
                 _Inbox(allocation, self.access.export(allocation), self.space.capacity(allocation))
             )
-            offset = 0
-        self._used = offset + nbytes
+            self._claimed, offset = [], 0  # slots still claimed in the old inbox stay there
+        self._claimed.append((offset, offset + nbytes))
         return self._inboxes[-1], offset
 
-    def _write(self, r: _Outgoing) -> None:
+    def _peer_slot(self, r: _Outgoing) -> Any:
+        """The slot ``r``'s credit names in the peer's inbox, once its readers are done."""
         credit = r.credit
         handle = credit[:_HANDLE_WORDS].tobytes()
         capacity, offset, nbytes = (int(v) for v in credit[2 * _HANDLE_WORDS :])
@@ -254,21 +285,45 @@ class PeerMemoryTransport:
         target = self.space.view(inbox, offset, r.buf.size, r.buf.dtype)
         # the slot's previous reads are done
         self.space.wait(self._peer_event(r.peer, credit[_HANDLE_WORDS : 2 * _HANDLE_WORDS]))
-        self.space.copy(target, r.buf.reshape(-1))
+        return target
+
+    def _kernels_reach(self, slot: Any) -> bool:
+        reach = getattr(self.space, "kernels_reach", None)  # only a device of its own knows
+        return True if reach is None else reach(slot)
+
+    def _notify(self, r: _Outgoing) -> None:
+        """Tell ``r``'s peer its data is written (by what this rank just enqueued)."""
         self.space.record(self._event)
-        r.notice[0] = nbytes
+        r.notice[0] = r.buf.nbytes
         r.notice[1:] = self._event_words
         r.notice_request = self.notices.isend(r.notice, r.peer, r.tag)
 
+    def _write(self, r: _Outgoing) -> None:
+        self.space.copy(self._peer_slot(r), r.buf.reshape(-1))
+        self._notify(r)
+
     def _deliver(self, r: _Incoming) -> None:
         incoming = self.space.view(r.inbox.allocation, r.offset, r.buf.size, r.buf.dtype)
+        forward = r.forward
+        if forward is not None:  # the peer's slot first: its credit may still be on the way
+            self.credits.waitall([forward.credit_request])
+            slot = self._peer_slot(forward)
         # the sender's copy into the slot is done
         self.space.wait(self._peer_event(r.peer, r.notice[1:]))
         if r.combine is None:
             self.space.copy(r.buf, incoming.reshape(r.buf.shape))
-        else:
+        elif forward is None:
             r.combine(incoming)
+        elif self._kernels_reach(slot):
+            r.combine(incoming, slot)
+            self._notify(forward)
+        else:  # a kernel here cannot write there: reduce, then copy as a send would
+            r.combine(incoming, None)
+            self.space.copy(slot, forward.buf.reshape(-1))
+            self._notify(forward)
         r.delivered = True
+        if r.inbox is self._inboxes[-1]:  # its readers are queued: the next claim's record
+            self._claimed.remove((r.offset, r.offset + r.buf.nbytes))  # orders them first
 
     def close(self) -> None:
         """Wait for this endpoint's queued work (copies into peers' inboxes, reads of its

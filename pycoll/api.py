@@ -680,7 +680,7 @@ def _run(
     prepared = comm.prepared.get(key)
     if prepared is None:
         prepared = _prepare(comm, key)
-    schedule, program, reduce, reduce_n, plan = prepared
+    schedule, program, reduce, reduce_n, reduce_copy, plan = prepared
     if select.DEBUG and not comm.agreeing:  # the agreement's own exchange is not news
         select.report(plan, comm.rank)
     source = x if x.ndim == 1 else x.reshape(-1)
@@ -703,7 +703,8 @@ def _run(
         scratch = comm.buffer("scratch", program.scratch_elements, target.dtype, space)
     try:
         run(program, source, target, transport, tag, reduce, space, scratch,
-            f"{collective.value} ({schedule.algorithm})", comm.traffic.add, reduce_n)
+            f"{collective.value} ({schedule.algorithm})", comm.traffic.add, reduce_n,
+            reduce_copy)
     except CollectiveTimeout as error:
         raise _broken(comm, error) from None
 
@@ -764,9 +765,14 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
     reduce_n = (space.reducer_n(op, dtype)
                 if op is not None and program.has_reduce_groups and hasattr(space, "reducer_n")
                 else None)
+    # reduce and send in one pass (device kernels): given on every rank of a schedule that
+    # reduces then sends, whether or not this rank forwards, as all must post ahead alike
+    reduce_copy = (space.reducer_copy(op, dtype)
+                   if op is not None and program.posts_ahead and hasattr(space, "reducer_copy")
+                   else None)
     if len(comm.prepared) >= PREPARED_CALLS:  # a long size sweep: start over rather than grow
         comm.prepared.clear()
-    comm.prepared[key] = prepared = (schedule, program, reduce, reduce_n, plan)
+    comm.prepared[key] = prepared = (schedule, program, reduce, reduce_n, reduce_copy, plan)
     return prepared
 
 

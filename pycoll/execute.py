@@ -59,6 +59,14 @@ class Program:
     # Per step: the positions of receives that reduce into one range (two or more, as the
     # direct schedules' every-rank-to-one), which an n-ary reduce can do in one pass.
     reduce_groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    # Per step: (receive position, position of a transmit in the next step) where the next
+    # step sends exactly the range this receive reduces into, to the only message to that
+    # peer there: a transport can write the result into the peer's buffer as it reduces.
+    forwards: tuple[tuple[tuple[int, int], ...], ...] = ()
+    # The schedule reduces then sends somewhere (on some rank): every rank then posts its
+    # receives a step ahead when forwarding, so that a forward never waits on a rank that is
+    # itself waiting to forward.
+    posts_ahead: bool = False
 
     @property
     def has_reduce_groups(self) -> bool:
@@ -88,6 +96,7 @@ def compile_program(
 
     steps = []
     groups = []
+    numbers = []  # each kept step's index in the schedule (empty steps drop out)
     most = 0
     joined = schedule.joined
     for index, step in enumerate(schedule.steps[rank]):
@@ -153,9 +162,46 @@ def compile_program(
         if receives or transmits:
             steps.append((tuple(receives), tuple(transmits)))
             groups.append(_reduce_groups(receives))
+            numbers.append(index)
     for chunk in list(pending):  # never touched by a step: part of the result as seeded
         materialize(chunk)
-    return Program(tuple(seeds), tuple(steps), most, tuple(groups))
+    forwards = tuple(
+        _forwards(steps[k], groups[k], steps[k + 1])
+        if k + 1 < len(steps) and numbers[k + 1] == numbers[k] + 1 else ()
+        for k in range(len(steps))
+    )
+    return Program(tuple(seeds), tuple(steps), most, tuple(groups), forwards,
+                   schedule.reduces_then_sends)
+
+
+def _forwards(step, groups, following) -> tuple[tuple[int, int], ...]:
+    """The (receive, next step's transmit) pairs of ``Program.forwards`` for one step.
+
+    Only a receive that reduces in one pass (not a plain copy, nor two reductions), alone on
+    its range in this step, and a transmit that is the only message to its peer in the next
+    step (the peer's credits are matched in order: a forwarded message must not overtake
+    another to the same peer). Only between consecutive steps of the schedule: the peer posts
+    its receives one step ahead, no further."""
+    receives, _ = step
+    transmits = following[1]
+    grouped = {i for members in groups for i in members}
+    to_peer: dict[int, list[int]] = {}
+    for j, t in enumerate(transmits):
+        to_peer.setdefault(t.peer, []).append(j)
+    pairs = []
+    for i, r in enumerate(receives):
+        one_pass = (r.scratch >= 0 and (r.fused is not None or not r.first)
+                    and (r.first or not r.own_last))
+        if not one_pass or i in grouped or any(
+            k != i and o.start < r.stop and r.start < o.stop for k, o in enumerate(receives)
+        ):
+            continue
+        for j, t in enumerate(transmits):
+            if (not t.from_input and (t.start, t.stop) == (r.start, r.stop)
+                    and len(to_peer[t.peer]) == 1):
+                pairs.append((i, j))
+                break
+    return tuple(pairs)
 
 
 def _reduce_groups(receives: list[Receive]) -> tuple[tuple[int, ...], ...]:
@@ -199,6 +245,7 @@ def run(
     what: str = "collective",
     count: Callable[[int, int], None] | None = None,
     reduce_n: Callable[[Any, list], None] | None = None,
+    reduce_copy: Callable[[Any, Any, Any, Any], None] | None = None,
 ) -> None:
     """Seed WORK from INPUT (flat views), then run the program's steps in order.
 
@@ -211,6 +258,11 @@ def run(
     when given, and when the transport ``lends_until_next_step`` (what it lends a combine stays
     readable until its next call), does a step's reductions into one range in one pass
     after the step's messages are in, folding in the same order as one by one.
+    ``reduce_copy(dst, peer, a, b)`` (dst = peer = a op b), when given, and when the
+    transport ``forwards`` (its ``isend`` takes ``produced_by``: the message is written as
+    that receive is combined), reduces a chunk the next step sends straight into the
+    receiver's buffer as well (``Program.forwards``), one pass instead of a reduction and a
+    copy; every rank then posts its receives a step ahead.
     """
     for in_start, in_stop, work_start, work_stop in program.seeds:
         target = work[work_start:work_stop]
@@ -224,8 +276,10 @@ def run(
         if getattr(transport, "delivers", False):
             if reduce_n is None or not getattr(transport, "lends_until_next_step", False):
                 reduce_n = None
+            if not (program.posts_ahead and getattr(transport, "forwards", False)):
+                reduce_copy = None
             _run_delivered(program, source, work, transport, tag, reduce, space, at, count,
-                           reduce_n)
+                           reduce_n, reduce_copy)
         else:
             _run_steps(program, source, work, transport, tag, reduce, space, scratch, at,
                        count)
@@ -272,30 +326,78 @@ def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at
 
 
 def _run_delivered(program: Program, source, work, transport, tag: int, reduce: Reducer,
-                   space: Any, at: list[int], count, reduce_n) -> None:
-    for index, (receives, transmits) in enumerate(program.steps):
-        at[0] = index
+                   space: Any, at: list[int], count, reduce_n, reduce_copy) -> None:
+    def post_receives(index: int) -> tuple[list, dict[int, Any], tuple]:
+        receives = program.steps[index][0]
         groups = program.reduce_groups[index] if reduce_n is not None else ()
-        lent: dict[int, Any] = {}  # position in receives -> what the transport lent
         grouped = {i for members in groups for i in members}
+        forwarded = {i for i, _ in program.forwards[index]} if reduce_copy is not None else ()
+        lent: dict[int, Any] = {}  # position in receives -> what the transport lent
         requests = []
         for i, r in enumerate(receives):
             if r.scratch < 0:
                 combine = None
             elif i in grouped:
                 combine = functools.partial(lent.__setitem__, i)
+            elif i in forwarded:
+                combine = functools.partial(_reduce_forward, reduce, reduce_copy, space, work,
+                                            source, r)
             else:
                 combine = functools.partial(_reduce, reduce, space, work, source, r)
             requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag, combine))
-        for t in transmits:
-            out = (source if t.from_input else work)[t.start : t.stop]
-            if count is not None:
-                count(t.peer, out.nbytes)
-            requests.append(transport.isend(out, t.peer, tag))
-        transport.waitall(requests)
+        return requests, lent, groups
+
+    ahead = reduce_copy is not None  # receives posted a step ahead (see run)
+    posted = post_receives(0)
+    forwarded_sends: dict[int, Any] = {}  # this step's transmits, already made last step
+    for index, (receives, transmits) in enumerate(program.steps):
+        at[0] = index
+        if posted is None:
+            posted = post_receives(index)
+        requests, lent, groups = posted
+        posted = post_receives(index + 1) if ahead and index + 1 < len(program.steps) else None
+        sends = []
+        for j, t in enumerate(transmits):  # after the receives, so that sends find them posted
+            made = forwarded_sends.get(j)
+            if made is None:
+                out = (source if t.from_input else work)[t.start : t.stop]
+                if count is not None:
+                    count(t.peer, out.nbytes)
+                made = transport.isend(out, t.peer, tag)
+            sends.append(made)
+        forwarded_sends = {}
+        if reduce_copy is not None:  # after this step's sends: a peer's credits come in order
+            following = program.steps[index + 1][1] if program.forwards[index] else ()
+            for i, j in program.forwards[index]:
+                t = following[j]
+                out = work[t.start : t.stop]
+                if count is not None:
+                    count(t.peer, out.nbytes)
+                forwarded_sends[j] = transport.isend(out, t.peer, tag, produced_by=requests[i])
+        transport.waitall(requests + sends)
         for members in groups:
             _reduce_group(reduce, reduce_n, space, work, source,
                           [(receives[i], lent[i]) for i in members])
+
+
+def _reduce_forward(reduce: Reducer, reduce_copy, space: Any, work, source, receive: Receive,
+                    incoming, peer) -> None:
+    """``_reduce`` of a receive whose range the next step sends: the result is written into
+    WORK and into ``peer`` (the receiver's buffer) in one pass (``peer`` None: into WORK
+    only). Only one-pass reductions forward (``_forwards``): combine with WORK, or with the
+    rank's own INPUT on either side."""
+    if peer is None:
+        _reduce(reduce, space, work, source, receive, incoming)
+        return
+    target = work[receive.start : receive.stop]
+    if receive.fused is None:
+        reduce_copy(target, peer, target, incoming)
+        return
+    own = source[receive.fused[0] : receive.fused[1]]
+    if receive.own_last:  # and first: target = incoming op own
+        reduce_copy(target, peer, incoming, own)
+    else:
+        reduce_copy(target, peer, own, incoming)
 
 
 def _reduce_group(reduce: Reducer, reduce_n, space: Any, work, source,

@@ -142,6 +142,20 @@ class Schedule:
                     joined.add((dst, r1, q1))
         return frozenset(joined)
 
+    @cached_property
+    def reduces_then_sends(self) -> bool:
+        """Whether some rank reduces into a chunk in one step and sends that chunk from WORK
+        in the next (the ring's receive-reduce-send), so that a transport may write the sum
+        into the next rank's buffer while it reduces. Read from every rank's steps, so every
+        rank gets the same answer (they must all post their receives a step ahead, or none)."""
+        for steps in self.steps:
+            for now, after in zip(steps, steps[1:]):
+                reduced = {t.chunk for t in now if isinstance(t, Recv) and t.reduce}
+                if any(isinstance(t, Send) and t.buffer is Buffer.WORK and t.chunk in reduced
+                       for t in after):
+                    return True
+        return False
+
     def count(self, kind: type) -> int:
         """How many transfers of ``kind`` (Send or Recv) the schedule holds, over all ranks."""
         return sum(isinstance(t, kind) for rank in self.steps for step in rank for t in step)

@@ -87,6 +87,9 @@ class CudaSpace:
     name = "cuda"
     is_device = True
 
+    def __init__(self) -> None:
+        self._peer_access: dict[tuple[int, int], bool] = {}  # (device, peer) -> reachable
+
     def owns(self, x: object) -> bool:
         cupy = sys.modules.get("cupy")  # an array of a module never imported cannot be here
         return cupy is not None and isinstance(x, cupy.ndarray)
@@ -123,8 +126,32 @@ class CudaSpace:
         memory (the direct schedules' reduction of every rank's piece)."""
         return complex_as_real_n(_gpu_kernels().reduce_n, op, dtype)
 
+    def reducer_copy(self, op: ReduceOp, dtype: np.dtype) -> Callable[[Any, Any, Any, Any], None]:
+        """``reduce_copy(dst, peer, a, b)``: dst = peer = a op b in one pass (the ring's
+        receive-reduce-send: ``peer`` is the next rank's inbox slot)."""
+        return complex_as_real_copy(_gpu_kernels().reduce_copy, op, dtype)
+
     def finish(self, work: Any, op: ReduceOp, nranks: int) -> None:
         _gpu_kernels().finish(real_view(work), op, nranks)
+
+    def kernels_reach(self, x: Any) -> bool:
+        """Whether a kernel on the current device may write ``x``: memory of this device
+        (an inbox opened through CUDA IPC is mapped here), or of another one this device
+        has peer access to (enabled here, once; threads of one process on several GPUs)."""
+        device, current = x.data.device_id, self.current_device()
+        if device == current:
+            return True
+        reach = self._peer_access.get((current, device))
+        if reach is None:
+            runtime = self._cupy.cuda.runtime
+            reach = bool(runtime.deviceCanAccessPeer(current, device))
+            if reach:
+                try:
+                    runtime.deviceEnablePeerAccess(device)
+                except runtime.CUDARuntimeError as error:  # already on: CuPy's copies do it
+                    reach = "PeerAccessAlreadyEnabled" in str(error)
+            self._peer_access[(current, device)] = reach
+        return reach
 
     def current_stream(self) -> Any:
         return self._cupy.cuda.get_current_stream()
@@ -213,13 +240,9 @@ def complex_as_real(reducer_of: Callable[[ReduceOp, np.dtype], Callable[..., Non
     """A device reducer for ``dtype``: ``reducer_of(op, dtype)``, the kernels' own, except for
     complex data, which has no kernels: sum and avg are the same reductions of the float
     (real, imaginary) pairs (as NCCL users view complex tensors as real); prod is not."""
-    dtype = np.dtype(dtype)
-    if dtype.kind != "c":
+    real = _pairs_of(op, dtype)
+    if real is None:
         return reducer_of(op, dtype)
-    if op not in (ReduceOp.SUM, ReduceOp.AVG):
-        raise TypeError(f"op={op.value!r} on {dtype.name} device arrays has no GPU kernel; "
-                        "allowed for complex device arrays: sum, avg")
-    real = _real_of(dtype)
     reduce = reducer_of(op, real)
 
     def reduce_pairs(dst: Any, src: Any, first: Any = None) -> None:
@@ -231,14 +254,31 @@ def complex_as_real(reducer_of: Callable[[ReduceOp, np.dtype], Callable[..., Non
 def complex_as_real_n(reduce_n: Callable[[Any, Sequence[Any], ReduceOp], None], op: ReduceOp,
                       dtype: Any) -> Callable[[Any, Sequence[Any]], None]:
     """``complex_as_real`` for the kernels' n-ary ``reduce_n(dst, sources, op)``."""
+    real = _pairs_of(op, dtype)
+    if real is None:
+        return lambda dst, sources: reduce_n(dst, sources, op)
+    return lambda dst, sources: reduce_n(dst.view(real), [s.view(real) for s in sources], op)
+
+
+def complex_as_real_copy(reduce_copy: Callable[[Any, Any, Any, Any, ReduceOp], None],
+                         op: ReduceOp, dtype: Any) -> Callable[[Any, Any, Any, Any], None]:
+    """``complex_as_real`` for the kernels' ``reduce_copy(dst, peer, a, b, op)``."""
+    real = _pairs_of(op, dtype)
+    if real is None:
+        return lambda dst, peer, a, b: reduce_copy(dst, peer, a, b, op)
+    return lambda dst, peer, a, b: reduce_copy(dst.view(real), peer.view(real), a.view(real),
+                                               b.view(real), op)
+
+
+def _pairs_of(op: ReduceOp, dtype: Any) -> np.dtype | None:
+    """The float dtype whose pairs stand for complex ``dtype`` (None: not complex)."""
     dtype = np.dtype(dtype)
     if dtype.kind != "c":
-        return lambda dst, sources: reduce_n(dst, sources, op)
+        return None
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise TypeError(f"op={op.value!r} on {dtype.name} device arrays has no GPU kernel; "
                         "allowed for complex device arrays: sum, avg")
-    real = _real_of(dtype)
-    return lambda dst, sources: reduce_n(dst.view(real), [s.view(real) for s in sources], op)
+    return _real_of(dtype)
 
 
 def real_view(work: Any) -> Any:

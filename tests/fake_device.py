@@ -172,6 +172,7 @@ class FakeDevice:
         self._streams: list[FakeStream] = []
         self.operations = 0
         self.n_ary_reductions = 0  # reduce_n launches (the direct schedules' one-pass fold)
+        self.reduce_copies = 0  # reduce_copy launches (the ring's receive-reduce-send)
         self.allocations: list[FakeAllocation] = []
         self._freed: dict[int, np.ndarray] = {}  # id -> buffer of each freed allocation
 
@@ -323,6 +324,28 @@ class FakeDevice:
             np.asarray(dst)[...] = acc
 
         self._enqueue(run, "reduce_n")
+
+    def reducer_copy(self, op: Any, dtype: Any):
+        op = kernels.ReduceOp.parse(op)
+        return spaces.complex_as_real_copy(self._kernel_reduce_copy, op, dtype)
+
+    def _kernel_reduce_copy(self, dst: Any, peer: Any, a: Any, b: Any, op: Any) -> None:
+        # as the GPU's reduce_copy: dst = peer = a op b, one launch (dst may be a or b)
+        host = kernels.reducer(table.combine_op(op), table.gpu_dtype(dst.dtype).dtype)
+        if any(x.shape != dst.shape or x.dtype != dst.dtype for x in (peer, a, b)):
+            raise ValueError("reduce_copy: peer, a and b must have dst's shape and dtype")
+        with self._lock:
+            self.reduce_copies += 1
+
+        def run() -> None:
+            self._check_live(dst, peer, a, b)
+            result = np.empty(dst.shape, dst.dtype)
+            with np.errstate(all="ignore"):
+                host(result, np.asarray(b).view(np.ndarray), np.asarray(a).view(np.ndarray))
+            np.asarray(dst)[...] = result
+            np.asarray(peer)[...] = result
+
+        self._enqueue(run, "reduce_copy")
 
     def finish(self, work: Any, op: Any, nranks: int) -> None:
         work = spaces.real_view(work)

@@ -300,16 +300,25 @@ def test_a_rank_never_opens_its_own_handle(peer_device):
         transport.access.open(handle, transport._inboxes[0].capacity)
 
 
-@pytest.mark.parametrize("removed", ["data-ready wait", "slot-free wait"])
+# removed wait -> (the function that waits, the function calling it, or None for any)
+WAITS = {
+    "data-ready wait": ("_deliver", None),
+    "slot-free wait": ("_peer_slot", None),
+    "forward's slot-free wait": ("_peer_slot", "_deliver"),  # the ring's reduce-and-forward
+}
+
+
+@pytest.mark.parametrize("removed", list(WAITS))
 def test_the_stand_in_catches_a_missing_event_wait(removed, monkeypatch, peer_device):
     """Guard for this file: drop either wait of the protocol and results go wrong."""
     original_wait = peer_device.wait
-    skip_in = "_deliver" if removed == "data-ready wait" else "_write"
+    waiter, caller = WAITS[removed]
 
     def wait_unless_called_from(event):
         import inspect
 
-        if inspect.stack()[1].function != skip_in:
+        stack = inspect.stack()
+        if stack[1].function != waiter or caller not in (None, stack[2].function):
             original_wait(event)
 
     monkeypatch.setattr(peer_device, "wait", wait_unless_called_from)
@@ -657,8 +666,15 @@ def test_every_ranks_piece_is_folded_in_one_pass_in_rank_order(peer_device, coll
     memory folds them with one n-ary reduce after the step's messages are in, in the order
     one-by-one reductions take: the bits are the host path's (non-integer floats, where the
     order shows). Beyond one launch's 16 sources (17 ranks) it reduces one by one."""
+    folded = _same_bits_as_the_host(peer_device, "n_ary_reductions", collective, algorithm,
+                                    nranks, 16 * nranks + 3)
+    assert folded == (0 if nranks > 16 else nranks), folded  # one per rank: its own piece
+
+
+def _same_bits_as_the_host(device, counter, collective, algorithm, nranks, count):
+    """Sum non-integer floats (where the order of additions shows) on the stand-in and on
+    the host, uneven counts; assert the same bits; return how much ``device.<counter>`` grew."""
     rng = np.random.default_rng(nranks)
-    count = 16 * nranks + 3
     inputs = [rng.standard_normal(count).astype(np.float32) for _ in range(nranks)]
     counts = [count // nranks + (r < count % nranks) for r in range(nranks)]
 
@@ -667,10 +683,62 @@ def test_every_ranks_piece_is_folded_in_one_pass_in_rank_order(peer_device, coll
             return pycoll.allreduce(x, "sum", algorithm=algorithm)
         return pycoll.reduce_scatter(x, "sum", counts=counts, algorithm=algorithm)
 
-    before = peer_device.n_ary_reductions
-    results = on_device(peer_device, nranks, lambda r: call(device_array(inputs[r])))
-    folded = peer_device.n_ary_reductions - before
-    assert folded == (0 if nranks > 16 else nranks), folded  # one per rank: its own piece
+    before = getattr(device, counter)
+    results = on_device(device, nranks, lambda r: call(device_array(inputs[r])))
+    grew = getattr(device, counter) - before
     host = pycoll.run_local(nranks, lambda: call(inputs[pycoll.world().rank]))
     for got, want in zip(results, host, strict=True):
         np.testing.assert_array_equal(got, want)
+    return grew
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4, 7])
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter"])
+def test_the_ring_writes_each_reduced_chunk_to_the_next_rank_as_it_reduces(
+        peer_device, collective, nranks):
+    """Over peer memory, a chunk the ring reduces in one step and sends in the next is
+    written into the next rank's inbox by the reduction itself (one reduce_copy, no separate
+    copy): n - 1 per rank for AllReduce (the last one feeds AllGather's first step), n - 2
+    for ReduceScatter. The bits are the host path's (non-integer floats, uneven counts)."""
+    per_rank = nranks - 1 if collective == "allreduce" else nranks - 2
+    assert _same_bits_as_the_host(peer_device, "reduce_copies", collective, "ring", nranks,
+                                  40 * nranks + 3) == nranks * per_rank
+
+
+def test_posting_receives_a_step_ahead_keeps_the_inbox_near_two_chunks(peer_device):
+    """Forwarding posts each step's receives during the previous one, so two steps' slots
+    are claimed at once; a slot is reused once delivered, so the ring's inbox holds about
+    two chunks, not the whole message."""
+    nranks, count = 4, 100_000
+    comms = _many_allreduces(peer_device, nranks, [count, count, count])
+    chunk = count // nranks * 8
+    for comm in comms:
+        inboxes = comm.device_transport(peer_device)._inboxes
+        assert inboxes[-1].capacity <= 2 * chunk + 4096, [i.capacity for i in inboxes]
+
+
+def test_a_forwarded_send_is_made_by_its_receive(peer_device):
+    def body():
+        rank = pycoll.world().rank
+        transport = pycoll.world().device_transport(peer_device)
+        data = device_array(np.zeros(4, np.int32))
+        if rank == 0:
+            plain = transport.irecv(data, 1, 5)  # no combine: nothing to forward
+            with pytest.raises(ValueError, match="produced_by must be a receive with a combine"):
+                transport.isend(data, 1, 6, produced_by=plain)
+            transport.waitall([plain])
+        else:
+            transport.waitall([transport.isend(data, 0, 5)])
+
+    pycoll.run_local(2, body)
+
+
+def test_where_kernels_cannot_reach_the_next_ranks_inbox_the_ring_reduces_then_copies(
+        peer_device, monkeypatch):
+    """Threads of one process on two GPUs without peer access: a kernel here cannot write
+    the other device's inbox, so the reduction writes WORK only and the slot is copied (as
+    a plain send would); the results do not change."""
+    monkeypatch.setattr(peer_device, "kernels_reach", lambda slot: False, raising=False)
+    before = peer_device.reduce_copies
+    _many_allreduces(peer_device, 4, [1000, 37], algorithm="ring")
+    assert peer_device.reduce_copies == before

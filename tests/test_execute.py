@@ -6,7 +6,7 @@ import pytest
 
 from pycoll import algorithms
 from pycoll.execute import compile_program
-from pycoll.schedule import Collective, Layout
+from pycoll.schedule import Collective, Layout, Recv, Schedule, Send
 
 
 def program(family, collective, nranks, rank, count=12, root=None):
@@ -78,3 +78,50 @@ def test_both_ends_agree_on_every_message(family, nranks):
                     family, collective, nranks, nsegments, count, nranks - 1 if rooted else None
                 )
                 assert sent == received, (family, collective, nranks, nsegments, count)
+
+
+def test_the_ring_forwards_each_chunk_it_reduces_to_the_step_that_sends_it():
+    compiled = program("ring", Collective.ALLREDUCE, 4, rank=1)
+    # 3 ReduceScatter steps, each reducing the chunk the next step sends (the third's goes
+    # out in AllGather's first step), then 3 AllGather steps that only copy
+    assert compiled.forwards == (((0, 0),), ((0, 0),), ((0, 0),), (), (), ())
+    for (receives, _), (_, following) in zip(compiled.steps, compiled.steps[1:4]):
+        assert (receives[0].start, receives[0].stop) == (following[0].start, following[0].stop)
+    assert compiled.posts_ahead
+
+
+@pytest.mark.parametrize("family,collective,expected", [
+    ("ring", Collective.ALLREDUCE, True),
+    ("ring", Collective.REDUCE_SCATTER, True),
+    ("tree", Collective.REDUCE, True),
+    ("direct", Collective.ALLREDUCE, False),  # one step: nothing follows a reduction
+    ("ring", Collective.ALLGATHER, False),  # nothing is reduced
+    ("tree", Collective.BROADCAST, False),
+])
+def test_every_rank_reads_whether_to_post_ahead_from_the_whole_schedule(family, collective,
+                                                                        expected):
+    schedule = algorithms.build(family, collective, 5, 1, 0)
+    assert schedule.reduces_then_sends is expected
+    layout = Layout.even(20, schedule.nblocks, 1)
+    assert {compile_program(schedule, r, layout, layout).posts_ahead for r in range(5)} == {
+        expected}
+
+
+def _two_ranks(steps_of_0, steps_of_1):
+    return Schedule(Collective.ALLREDUCE, "test", 2, 2, 1, (steps_of_0, steps_of_1))
+
+
+def test_no_forward_across_a_step_left_empty_or_to_a_peer_with_two_messages():
+    layout = Layout.even(8, 2, 1)
+    # rank 0 reduces chunk 0 in step 0 and sends it in step 2: its peer posts one step ahead
+    # only, so the send is not made early
+    gap = _two_ranks(((Recv(1, 0, True),), (), (Send(1, 0),)),
+                     ((Send(0, 0),), (), (Recv(0, 0, False),)))
+    assert compile_program(gap, 0, layout, layout).forwards == ((), ())
+    # the next step sends two messages to that peer: the forwarded one would overtake
+    two = _two_ranks(((Recv(1, 0, True),), (Send(1, 1), Send(1, 0))),
+                     ((Send(0, 0),), (Recv(0, 1, False), Recv(0, 0, False))))
+    assert compile_program(two, 0, layout, layout).forwards == ((), ())
+    one = _two_ranks(((Recv(1, 0, True),), (Send(1, 0),)),
+                     ((Send(0, 0),), (Recv(0, 0, False),)))
+    assert compile_program(one, 0, layout, layout).forwards == (((0, 0),), ())
