@@ -2,7 +2,7 @@
 # Everything pycoll checks on an NVIDIA GPU, in one call of well under 8 minutes, on a machine
 # that may have no network: the GPU tests, the kernels' bandwidth, then AllReduce,
 # ReduceScatter and AllGather at 2 and 4 MPI ranks sharing the GPU through CUDA IPC, every
-# algorithm, with --check. Results go to $OUT (the device tool's folder) or
+# algorithm, with --check, and the ring AllReduce without its reduce-and-forward. Results go to $OUT (the device tool's folder) or
 # bench/results/gpu-raw.
 #   bash bench/fetch_wheels.sh   # here, with network: mpi4py, mpich, numpy wheels into .whl/
 #   bash bench/gpu_check.sh      # there
@@ -126,6 +126,15 @@ for ranks in 2 4; do
     [ "$status" -eq 0 ] || collectives_status=$status
   done
 done
+
+# 4. The ring's reduce-and-forward (one pass) against reducing, then sending (two):
+# PYCOLL_FORWARD=0, the same run as allreduce-4's ring rows otherwise.
+timeout "$(within 45)" env PYCOLL_FORWARD=0 mpiexec -n 4 "$python" -P -m pycoll bench allreduce \
+  --device cuda --algorithm ring -b 64K -e 64M -f 4 -n 10 -w 3 --check 1 \
+  --json "$work/unforwarded-allreduce-4.json" 2>&1 | tee -a "$out/collectives.txt"
+status=${PIPESTATUS[0]}
+echo "# allreduce on 4 ranks, ring, PYCOLL_FORWARD=0: exit $status" | tee -a "$out/collectives.txt"
+[ "$status" -eq 0 ] || collectives_status=$status
 
 echo "gpu tests exit $tests_status, kernel bench exit $bench_status," \
   "collectives exit $collectives_status" | tee "$work/summary.txt"

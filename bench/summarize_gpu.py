@@ -6,7 +6,8 @@
   CuPy's add;
 * every multi-rank collective over CUDA IPC has #wrong = 0;
 
-plus which kernel backend was faster (what `kernels/device.py`'s DEFAULT_BACKEND should be).
+plus the ring AllReduce with and without its reduce-and-forward (PYCOLL_FORWARD=0),
+and which kernel backend was faster (what `kernels/device.py`'s DEFAULT_BACKEND should be).
 
     python bench/summarize_gpu.py OUT_FOLDER > bench/results/gpu-h200.md
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 BAR_BYTES = 256 << 20
 BAR_OF_COPY = 0.90
 REDUCE_KERNELS = ("reduce", "reduce_pair", "reduce_n", "reduce_copy")
+UNFORWARDED = "unforwarded-"  # gpu_check.sh's run with PYCOLL_FORWARD=0
 
 
 def human(size: int) -> str:
@@ -102,11 +104,36 @@ def collective_section(folder: Path) -> list[str]:
         best = (f"{fastest['algorithm']} ({fastest['busbw']:.1f} GB/s busbw)"
                 if fastest else "-")
         sizes = f"{human(min(r['size'] for r in rows))} .. {human(largest)}"
-        lines.append(f"| {rows[0]['collective']} | {rows[0]['nranks']} | {len(rows)} | {wrong} | "
+        label = rows[0]["collective"] + (" (PYCOLL_FORWARD=0)"
+                                         if path.name.startswith(UNFORWARDED) else "")
+        lines.append(f"| {label} | {rows[0]['nranks']} | {len(rows)} | {wrong} | "
                      f"{sizes} | {best} |")
     lines += ["", f"Bar, every multi-rank IPC collective #wrong = 0: {_verdict(total_wrong == 0)}"
                   f" ({total_wrong} wrong values in all).", ""]
     return lines
+
+
+def forward_section(folder: Path) -> list[str]:
+    """The ring AllReduce with its reduce-and-forward (one pass over each chunk) against the
+    same ring reducing, then sending (PYCOLL_FORWARD=0), per size."""
+    lines = ["## The ring's reduce-and-forward (`PYCOLL_FORWARD=0` for without)", ""]
+    paths = [folder / "allreduce-4.json", folder / f"{UNFORWARDED}allreduce-4.json"]
+    if not all(p.exists() for p in paths):
+        return [*lines, "Not measured (no allreduce-4.json and "
+                        f"{UNFORWARDED}allreduce-4.json).", ""]
+    with_it, without = ({r["size"]: r for r in json.loads(p.read_text())
+                         if r["algorithm"] == "ring"} for p in paths)
+    sizes = sorted(set(with_it) & set(without))
+    if not sizes:
+        return [*lines, "No size measured both ways.", ""]
+    lines += ["| size | busbw, forwarding (GB/s) | busbw, reduce then send (GB/s) | "
+              "time without / with |", "|---|---|---|---|"]
+    for size in sizes:
+        a, b = with_it[size], without[size]
+        lines.append(f"| {human(size)} | {a['busbw']:.1f} | {b['busbw']:.1f} | "
+                     f"{b['time_us'] / a['time_us']:.2f} |")
+    return [*lines, "", "Two runs of `pycoll bench allreduce --algorithm ring` at 4 ranks, one "
+                        "after the other on the same GPU.", ""]
 
 
 def main(folder: str) -> str:
@@ -132,6 +159,7 @@ def main(folder: str) -> str:
     lines += (kernel_section(json.loads(kernels.read_text())) if kernels.exists()
               else ["## Kernels", "", "No kernels.json.", ""])
     lines += collective_section(root)
+    lines += forward_section(root)
     lines += ["## Environment", "", "```", environment.strip(), "```", ""]
     return "\n".join(lines)
 

@@ -8,7 +8,9 @@ read as flat sequences of elements; the sharded collectives split along the firs
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -770,10 +772,21 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
     reduce_copy = (space.reducer_copy(op, dtype)
                    if op is not None and program.posts_ahead and hasattr(space, "reducer_copy")
                    else None)
+    if reduce_copy is not None and not _forwarding():  # still posted ahead: safe if ranks differ
+        program = dataclasses.replace(program, forwards=tuple(() for _ in program.steps))
     if len(comm.prepared) >= PREPARED_CALLS:  # a long size sweep: start over rather than grow
         comm.prepared.clear()
     comm.prepared[key] = prepared = (schedule, program, reduce, reduce_n, reduce_copy, plan)
     return prepared
+
+
+def _forwarding() -> bool:
+    """``PYCOLL_FORWARD=0`` makes the ring reduce, then send (two passes), instead of writing
+    the next rank's buffer as it reduces: to measure what the fused pass gains."""
+    text = os.environ.get("PYCOLL_FORWARD", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"PYCOLL_FORWARD={text!r} is invalid; allowed: 0 or 1")
+    return text == "1"
 
 
 def _point_to_point(comm, x, work, src, dst, tag) -> None:

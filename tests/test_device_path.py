@@ -742,3 +742,22 @@ def test_where_kernels_cannot_reach_the_next_ranks_inbox_the_ring_reduces_then_c
     before = peer_device.reduce_copies
     _many_allreduces(peer_device, 4, [1000, 37], algorithm="ring")
     assert peer_device.reduce_copies == before
+
+
+def test_forwarding_can_be_turned_off_on_any_ranks(peer_device, monkeypatch):
+    """``PYCOLL_FORWARD=0`` reduces, then sends; every rank still posts ahead, so ranks that
+    differ in the setting still meet (here rank 1 forwards, the others do not)."""
+    from pycoll import api
+
+    monkeypatch.setenv("PYCOLL_FORWARD", "0")
+    before = peer_device.reduce_copies
+    _many_allreduces(peer_device, 3, [100, 7])
+    assert peer_device.reduce_copies == before
+    setting = api._forwarding
+    monkeypatch.setattr(api, "_forwarding", lambda: pycoll.world().rank == 1)
+    _many_allreduces(peer_device, 3, [100, 7])
+    assert peer_device.reduce_copies == before + 2 * 2  # rank 1's 2 chunks, in 2 calls
+    monkeypatch.setattr(api, "_forwarding", setting)
+    monkeypatch.setenv("PYCOLL_FORWARD", "yes")
+    with pytest.raises(ValueError, match="PYCOLL_FORWARD='yes' is invalid; allowed: 0 or 1"):
+        _many_allreduces(peer_device, 2, [5])

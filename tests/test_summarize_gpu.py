@@ -85,6 +85,24 @@ def test_a_run_cut_short_still_gives_a_page(tmp_path):
     assert "No collective results." in page
 
 
+def test_the_ring_with_and_without_its_reduce_and_forward(tmp_path):
+    ring = [collective("allreduce", 4, size, "ring", t) for size, t in ((MiB, 50), (64 * MiB, 800))]
+    write(tmp_path, collectives={
+        "allreduce-4.json": [*ring, collective("allreduce", 4, 64 * MiB, "tree", 700)],
+        "unforwarded-allreduce-4.json": [collective("allreduce", 4, 64 * MiB, "ring", 1000, 2)],
+    })
+    page = summarize_gpu.main(str(tmp_path))
+    assert "| allreduce (PYCOLL_FORWARD=0) | 4 | 1 | 2 |" in page
+    assert "| 64 MiB | 83.9 | 67.1 | 1.25 |" in page  # only sizes measured both ways
+    assert "| 1 MiB |" not in page.split("reduce-and-forward")[-1]
+    assert "#wrong = 0: NOT met (2 wrong values in all)" in page
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    write(alone, collectives={"allreduce-4.json": ring})
+    assert "Not measured (no allreduce-4.json and unforwarded-allreduce-4.json)" in (
+        summarize_gpu.main(str(alone)))
+
+
 def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     """The device tool returns at most 8 files from $OUT, named in letters, digits, '.', '_'
     and '-', at most 2 folders down: gpu_check.sh must fit, its page and the collectives' JSON
@@ -113,5 +131,6 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     assert "| allreduce | 2 | 1 | 0 |" in page, page
     with tarfile.open(out / "collectives.tar.gz") as archive:
         names = sorted(Path(name).name for name in archive.getnames())
-    assert names == sorted(f"{c}-{n}.json" for n in (2, 4)
-                           for c in ("allreduce", "reduce_scatter", "allgather")), names
+    assert names == sorted([f"{c}-{n}.json" for n in (2, 4)
+                            for c in ("allreduce", "reduce_scatter", "allgather")]
+                           + ["unforwarded-allreduce-4.json"]), names
