@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -147,10 +148,14 @@ class Schedule:
         """Whether some rank reduces into a chunk in one step and sends that chunk from WORK
         in the next (the ring's receive-reduce-send), so that a transport may write the sum
         into the next rank's buffer while it reduces. Read from every rank's steps, so every
-        rank gets the same answer (they must all post their receives a step ahead, or none)."""
+        rank gets the same answer (they must all post their receives a step ahead, or none).
+        A chunk that several receives of the step reduce into is folded after them all (the
+        direct schedules), not forwarded."""
         for steps in self.steps:
             for now, after in zip(steps, steps[1:]):
-                reduced = {t.chunk for t in now if isinstance(t, Recv) and t.reduce}
+                receives = Counter(t.chunk for t in now if isinstance(t, Recv))
+                reduced = {t.chunk for t in now
+                           if isinstance(t, Recv) and t.reduce and receives[t.chunk] == 1}
                 if any(isinstance(t, Send) and t.buffer is Buffer.WORK and t.chunk in reduced
                        for t in after):
                     return True

@@ -95,6 +95,7 @@ def test_the_ring_forwards_each_chunk_it_reduces_to_the_step_that_sends_it():
     ("ring", Collective.REDUCE_SCATTER, True),
     ("tree", Collective.REDUCE, True),
     ("direct", Collective.ALLREDUCE, False),  # one step: nothing follows a reduction
+    ("two_shot", Collective.ALLREDUCE, False),  # pieces folded after all arrive, then sent
     ("ring", Collective.ALLGATHER, False),  # nothing is reduced
     ("tree", Collective.BROADCAST, False),
 ])
@@ -125,3 +126,24 @@ def test_no_forward_across_a_step_left_empty_or_to_a_peer_with_two_messages():
     one = _two_ranks(((Recv(1, 0, True),), (Send(1, 0),)),
                      ((Send(0, 0),), (Recv(0, 0, False),)))
     assert compile_program(one, 0, layout, layout).forwards == (((0, 0),), ())
+
+
+@pytest.mark.parametrize("collective", [Collective.ALLREDUCE, Collective.REDUCE_SCATTER,
+                                        Collective.REDUCE])
+def test_a_rank_forwards_only_where_every_rank_posts_ahead(collective):
+    """Posting ahead is read from the schedule, forwarding from one rank's program with its
+    sizes: wherever some rank forwards, the schedule must say so, or its peer would not have
+    posted the credit the forward waits for."""
+    from pycoll import model
+
+    checked = 0
+    for family in algorithms.families_for(collective):
+        for nranks in range(1, 10):
+            for nsegments in (1, 2, 3):
+                schedule = algorithms.build(family, collective, nranks, nsegments, nranks - 1)
+                for count in (0, 1, nranks - 1, 2 * nranks + 1, 97):
+                    programs = model.programs(schedule, count)
+                    if any(any(p.forwards) for p in programs):
+                        assert schedule.reduces_then_sends, (family, nranks, nsegments, count)
+                        checked += 1
+    assert checked > 100
