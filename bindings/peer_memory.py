@@ -21,7 +21,8 @@ reduction and then a copy take two); its notice goes out right then. Where a ker
 this device cannot reach the slot, ``combine`` gets None and the slot is then copied. The
 credit must be there by then, so ranks that forward post their receives a step ahead
 (pycoll/execute.py), and a slot is free for reuse once it has been delivered, not at the
-end of a step.
+end of a step; each step's slots are packed from the other end of the inbox than the
+previous step's (``start_batch``), so the two fit in what the executor reserves (``reserve``).
 
 Making an endpoint exchanges nothing (handles travel in the first credit and notice), so
 two ranks can start talking without the rest of the group: Send/Recv's endpoints are made
@@ -166,6 +167,10 @@ class PeerMemoryTransport:
         self.names = list(range(self.size))  # how errors name each rank of the group
         self._inboxes: list[_Inbox] = []
         self._claimed: list[tuple[int, int]] = []  # undelivered slots of the newest inbox
+        # Where the next slot goes: a step's slots are packed from one end of the inbox, the
+        # next step's (posted while these are still held) from the other.
+        self._from_top = False
+        self._edge = 0
         self._mapped: dict[tuple[int, bytes], Any] = {}  # (peer, handle) -> opened inbox
         self._event = space.new_event()
         self._event_words = _words(access.export_event(self._event))
@@ -248,24 +253,45 @@ class PeerMemoryTransport:
 
     # -- the protocol's steps
 
+    def reserve(self, nbytes: int) -> None:
+        """Make the inbox at least ``nbytes`` now (what a call's steps will claim), rather
+        than grow it claim by claim: an outgrown inbox is kept until :meth:`close`."""
+        if not self._inboxes or self._inboxes[-1].capacity < nbytes:
+            self._grow(nbytes)
+
+    def start_batch(self) -> None:
+        """The receives posted next belong to one step, posted while the previous step's
+        slots are still held (posting ahead): pack them from the other end of the inbox."""
+        self._from_top = bool(self._claimed) and not self._from_top
+        self._edge = self._inboxes[-1].capacity if self._from_top else 0
+
     def _claim(self, nbytes: int) -> tuple[_Inbox, int]:
         """A slot of ``nbytes`` (16-byte aligned, for the vector kernels) in the inbox, clear
-        of every slot not yet delivered: the lowest such offset."""
-        offset = 0
-        for start, stop in sorted(self._claimed):
-            if offset + nbytes <= start:
-                break
-            offset = max(offset, -(-stop // 16) * 16)
-        if not self._inboxes or offset + nbytes > self._inboxes[-1].capacity:
-            # Grow: peers may hold the old inbox open, so it is kept (not freed) until close.
-            least = max(nbytes, 2 * (self._inboxes[-1].capacity if self._inboxes else 0))
-            allocation = self.space.allocate(least)
-            self._inboxes.append(
-                _Inbox(allocation, self.access.export(allocation), self.space.capacity(allocation))
-            )
-            self._claimed, offset = [], 0  # slots still claimed in the old inbox stay there
+        of every slot not yet delivered."""
+        if not self._claimed:  # nothing held: from the bottom
+            self._from_top, self._edge = False, 0
+        if self._from_top:
+            offset = (self._edge - nbytes) // 16 * 16
+        else:
+            offset = -(-self._edge // 16) * 16
+        if (not self._inboxes or offset < 0 or offset + nbytes > self._inboxes[-1].capacity
+                or any(offset < stop and start < offset + nbytes
+                       for start, stop in self._claimed)):
+            self._grow(nbytes)
+            offset = 0
+        self._edge = offset if self._from_top else offset + nbytes
         self._claimed.append((offset, offset + nbytes))
         return self._inboxes[-1], offset
+
+    def _grow(self, nbytes: int) -> None:
+        """A new, empty inbox: peers may hold the old one open, so it is kept (not freed)
+        until close, with any slots still claimed there."""
+        least = max(nbytes, 2 * (self._inboxes[-1].capacity if self._inboxes else 0))
+        allocation = self.space.allocate(least)
+        self._inboxes.append(
+            _Inbox(allocation, self.access.export(allocation), self.space.capacity(allocation))
+        )
+        self._claimed, self._from_top, self._edge = [], False, 0
 
     def _peer_slot(self, r: _Outgoing) -> Any:
         """The slot ``r``'s credit names in the peer's inbox, once its readers are done."""

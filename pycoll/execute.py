@@ -67,10 +67,24 @@ class Program:
     # receives a step ahead when forwarding, so that a forward never waits on a rank that is
     # itself waiting to forward.
     posts_ahead: bool = False
+    _inbox_bytes: dict[tuple[int, bool], int] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def has_reduce_groups(self) -> bool:
         return any(self.reduce_groups)
+
+    def inbox_bytes(self, itemsize: int, ahead: bool) -> int:
+        """What a delivering transport holds at once for this program: the largest step's
+        receives, or, posting ahead, two consecutive steps' (with 16-byte alignment)."""
+        key = (itemsize, ahead)
+        if key not in self._inbox_bytes:
+            per_step = [sum(r.stop - r.start for r in receives) * itemsize + 16 * len(receives)
+                        for receives, _ in self.steps]
+            if ahead:
+                per_step = [a + b for a, b in zip(per_step, [*per_step[1:], 0])]
+            self._inbox_bytes[key] = max(per_step, default=0)
+        return self._inbox_bytes[key]
 
 
 def compile_program(
@@ -180,8 +194,9 @@ def _forwards(step, groups, following) -> tuple[tuple[int, int], ...]:
     Only a receive that reduces in one pass (not a plain copy, nor two reductions), alone on
     its range in this step, and a transmit that is the only message to its peer in the next
     step (the peer's credits are matched in order: a forwarded message must not overtake
-    another to the same peer). Only between consecutive steps of the schedule: the peer posts
-    its receives one step ahead, no further."""
+    another to the same peer). Only between consecutive steps of this rank: its peers post
+    their receives one step ahead, no further (that this never makes a rank wait on itself
+    is checked for every family in tests/test_forwarding_model.py)."""
     receives, _ = step
     transmits = following[1]
     grouped = {i for members in groups for i in members}
@@ -262,7 +277,9 @@ def run(
     transport ``forwards`` (its ``isend`` takes ``produced_by``: the message is written as
     that receive is combined), reduces a chunk the next step sends straight into the
     receiver's buffer as well (``Program.forwards``), one pass instead of a reduction and a
-    copy; every rank then posts its receives a step ahead.
+    copy; every rank then posts its receives a step ahead, each step's as one batch
+    (``transport.start_batch()``). A transport that can ``reserve(nbytes)`` is told once
+    what the call's receives hold at once.
     """
     for in_start, in_stop, work_start, work_stop in program.seeds:
         target = work[work_start:work_stop]
@@ -329,6 +346,8 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
                    space: Any, at: list[int], count, reduce_n, reduce_copy) -> None:
     def post_receives(index: int) -> tuple[list, dict[int, Any], tuple]:
         receives = program.steps[index][0]
+        if ahead:  # this step's slots at the other end of the inbox from the last step's
+            transport.start_batch()
         groups = program.reduce_groups[index] if reduce_n is not None else ()
         grouped = {i for members in groups for i in members}
         forwarded = {i for i, _ in program.forwards[index]} if reduce_copy is not None else ()
@@ -348,6 +367,9 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
         return requests, lent, groups
 
     ahead = reduce_copy is not None  # receives posted a step ahead (see run)
+    reserve = getattr(transport, "reserve", None)
+    if reserve is not None:  # one inbox for the whole call, not one per growing claim
+        reserve(program.inbox_bytes(work.itemsize, ahead))
     posted = post_receives(0)
     forwarded_sends: dict[int, Any] = {}  # this step's transmits, already made last step
     for index, (receives, transmits) in enumerate(program.steps):

@@ -705,16 +705,28 @@ def test_the_ring_writes_each_reduced_chunk_to_the_next_rank_as_it_reduces(
                                   40 * nranks + 3) == nranks * per_rank
 
 
-def test_posting_receives_a_step_ahead_keeps_the_inbox_near_two_chunks(peer_device):
+@pytest.mark.parametrize("nranks,count", [(4, 100_000), (8, 80_001), (3, 30_001)])
+def test_posting_receives_a_step_ahead_keeps_the_inbox_near_two_chunks(peer_device, nranks,
+                                                                       count):
     """Forwarding posts each step's receives during the previous one, so two steps' slots
-    are claimed at once; a slot is reused once delivered, so the ring's inbox holds about
-    two chunks, not the whole message."""
-    nranks, count = 4, 100_000
+    are held at once: the inbox is reserved for that once per call and each step's slots are
+    packed from the other end than the last's, so uneven chunks (which alternate in size)
+    still fit: about two chunks in all, in one inbox, not one that grows step by step."""
     comms = _many_allreduces(peer_device, nranks, [count, count, count])
-    chunk = count // nranks * 8
+    chunk = -(-count // nranks) * 8
     for comm in comms:
         inboxes = comm.device_transport(peer_device)._inboxes
-        assert inboxes[-1].capacity <= 2 * chunk + 4096, [i.capacity for i in inboxes]
+        assert sum(i.capacity for i in inboxes) <= 2 * chunk + 4096 + 32, [
+            i.capacity for i in inboxes]
+
+
+def test_a_step_of_many_receives_reserves_its_inbox_at_once(peer_device):
+    """The direct AllReduce receives every peer's piece in one step: one inbox that holds
+    them all, rather than one per doubling (each outgrown inbox is kept until close)."""
+    comms = _many_allreduces(peer_device, 5, [50_000], algorithm="direct")
+    for comm in comms:
+        (inbox,) = comm.device_transport(peer_device)._inboxes
+        assert inbox.capacity >= 4 * 50_000 * 8
 
 
 def test_a_forwarded_send_is_made_by_its_receive(peer_device):
