@@ -344,6 +344,8 @@ def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at
 
 def _run_delivered(program: Program, source, work, transport, tag: int, reduce: Reducer,
                    space: Any, at: list[int], count, reduce_n, reduce_copy) -> None:
+    ahead = reduce_copy is not None  # receives posted a step ahead (see run)
+
     def post_receives(index: int) -> tuple[list, dict[int, Any], tuple]:
         receives = program.steps[index][0]
         if ahead:  # this step's slots at the other end of the inbox from the last step's
@@ -366,7 +368,6 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
             requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag, combine))
         return requests, lent, groups
 
-    ahead = reduce_copy is not None  # receives posted a step ahead (see run)
     reserve = getattr(transport, "reserve", None)
     if reserve is not None:  # one inbox for the whole call, not one per growing claim
         reserve(program.inbox_bytes(work.itemsize, ahead))
