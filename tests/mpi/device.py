@@ -107,6 +107,21 @@ device.synchronize()
 want = [np.full(64, i * P + P * (P - 1) // 2, np.int64) for i in range(len(outs))]
 check("back-to-back allreduces", [host_array(o) for o in outs], want)
 
+# The ring's reduce-and-forward gives the bits of reducing, then sending (PYCOLL_FORWARD=0):
+# non-integer floats, where the order of additions shows.
+noise = np.random.default_rng(RANK).standard_normal(1000 * P + 3).astype(np.float32)
+by_setting = {}
+for setting in ("1", "0"):
+    os.environ["PYCOLL_FORWARD"] = setting
+    comm.prepared.clear()  # the setting is read when a call is prepared
+    got = pycoll.allreduce(device_array(noise), algorithm="ring")
+    device.synchronize()
+    by_setting[setting] = host_array(got)
+del os.environ["PYCOLL_FORWARD"]
+comm.prepared.clear()
+check("ring forwarding keeps the bits", by_setting["1"].tobytes() == by_setting["0"].tobytes(),
+      True)
+
 if isinstance(device, FakeDevice) and expected_transport == "PeerMemoryTransport" and P > 1:
     # the ring wrote each reduced chunk into the next rank's inbox as it reduced it
     check("ring reduce-and-forward", device.reduce_copies >= 50 * (P - 1), True)
