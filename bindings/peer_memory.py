@@ -31,7 +31,9 @@ by the pair alone.
 Control messages are small host messages on two channels (credits, notices); all GPU work
 is ordered by events on each rank's current stream, never by host synchronisation, so the
 host returns as soon as everything is *enqueued*: the result is ready when the stream is.
-Credits are posted before anyone waits, so no rank waits for a message that waits on it.
+Credits are posted before anyone waits, so without forwarding no rank waits for a message
+that waits on it; a forward waits inside a delivery for a credit its peer posts a step
+ahead, which tests/test_forwarding_model.py shows never closes a cycle.
 
 One event per rank serves every purpose: a stream waits on the event's latest record at the
 time of the wait, which is at or after the record the protocol needs, and every record that a
@@ -235,14 +237,13 @@ class PeerMemoryTransport:
     def waitall(self, requests: list) -> None:
         outgoing = [r for r in requests if isinstance(r, _Outgoing)]
         incoming = [r for r in requests if isinstance(r, _Incoming)]
-        for r in outgoing:  # every credit was sent before its sender waited: no cycle
+        for r in outgoing:  # every credit was sent before its sender waited
             if not r.forwarded:
                 self.credits.waitall([r.credit_request])
                 self._write(r)
         for r in incoming:
-            if not r.delivered:
-                self.notices.waitall([r.notice_request])
-                self._deliver(r)
+            self.notices.waitall([r.notice_request])
+            self._deliver(r)
         if any(r.notice_request is None for r in outgoing):
             raise RuntimeError("waited for a forwarded send before the receive producing it")
         self.credits.waitall([r.credit_request for r in incoming])
@@ -256,7 +257,7 @@ class PeerMemoryTransport:
     def reserve(self, nbytes: int) -> None:
         """Make the inbox at least ``nbytes`` now (what a call's steps will claim), rather
         than grow it claim by claim: an outgrown inbox is kept until :meth:`close`."""
-        if not self._inboxes or self._inboxes[-1].capacity < nbytes:
+        if nbytes and (not self._inboxes or self._inboxes[-1].capacity < nbytes):
             self._grow(nbytes)
 
     def start_batch(self) -> None:
@@ -268,7 +269,7 @@ class PeerMemoryTransport:
     def _claim(self, nbytes: int) -> tuple[_Inbox, int]:
         """A slot of ``nbytes`` (16-byte aligned, for the vector kernels) in the inbox, clear
         of every slot not yet delivered."""
-        if not self._claimed:  # nothing held: from the bottom
+        if not self._claimed:  # nothing held (or no start_batch: not posting ahead): bottom
             self._from_top, self._edge = False, 0
         if self._from_top:
             offset = (self._edge - nbytes) // 16 * 16

@@ -773,3 +773,17 @@ def test_forwarding_can_be_turned_off_on_any_ranks(peer_device, monkeypatch):
     monkeypatch.setenv("PYCOLL_FORWARD", "yes")
     with pytest.raises(ValueError, match="PYCOLL_FORWARD='yes' is invalid; allowed: 0 or 1"):
         _many_allreduces(peer_device, 2, [5])
+
+
+def test_a_rank_that_receives_nothing_allocates_no_inbox(peer_device):
+    def body():
+        comm = pycoll.world()
+        x = device_array(np.arange(6, dtype=np.int32) * (comm.rank == 0))
+        out = pycoll.broadcast(x, 0, algorithm="ring")
+        peer_device.synchronize()
+        return host_array(out), comm.device_transport(peer_device)._inboxes
+
+    results = pycoll.run_local(4, body)
+    for out, _ in results:
+        np.testing.assert_array_equal(out, np.arange(6))
+    assert results[0][1] == [] and all(inboxes for _, inboxes in results[1:])

@@ -141,12 +141,11 @@ class Transport:
                 yield from wait(*r.credit, f"credit for {r.label}")
                 self._notify(r)
         for r in incoming:
-            if not r.delivered:
-                yield from wait(*r.notice, f"notice for {r.label}")
-                if r.forward is not None:
-                    yield from wait(*r.forward.credit, f"credit for forward {r.forward.label}")
-                    self._notify(r.forward)
-                r.delivered = True
+            yield from wait(*r.notice, f"notice for {r.label}")
+            if r.forward is not None:
+                yield from wait(*r.forward.credit, f"credit for forward {r.forward.label}")
+                self._notify(r.forward)
+            r.delivered = True
         if any(r.notice is None for r in outgoing):
             raise Mismatch("waited for a forwarded send before the receive producing it")
         for r in incoming:  # rendezvous: a send completes once the peer has matched it
