@@ -198,18 +198,21 @@ def _forwards(step, groups, following) -> tuple[tuple[int, int], ...]:
     their receives one step ahead, no further (that this never makes a rank wait on itself
     is checked for every family in tests/test_forwarding_model.py)."""
     receives, _ = step
-    transmits = following[1]
     grouped = {i for members in groups for i in members}
+    candidates = [
+        (i, r) for i, r in enumerate(receives)
+        if r.scratch >= 0 and (r.fused is not None or not r.first)  # one pass: not a copy,
+        and (r.first or not r.own_last) and i not in grouped  # nor two reductions
+    ]
+    if not candidates:  # most steps of most schedules (the model compiles thousands)
+        return ()
+    transmits = following[1]
     to_peer: dict[int, list[int]] = {}
     for j, t in enumerate(transmits):
         to_peer.setdefault(t.peer, []).append(j)
     pairs = []
-    for i, r in enumerate(receives):
-        one_pass = (r.scratch >= 0 and (r.fused is not None or not r.first)
-                    and (r.first or not r.own_last))
-        if not one_pass or i in grouped or any(
-            k != i and o.start < r.stop and r.start < o.stop for k, o in enumerate(receives)
-        ):
+    for i, r in candidates:
+        if any(k != i and o.start < r.stop and r.start < o.stop for k, o in enumerate(receives)):
             continue
         for j, t in enumerate(transmits):
             if (not t.from_input and (t.start, t.stop) == (r.start, r.stop)
