@@ -2,8 +2,8 @@
 # Everything pycoll checks on an NVIDIA GPU, in one call of well under 8 minutes, on a machine
 # that may have no network: the GPU tests, the kernels' bandwidth, then AllReduce,
 # ReduceScatter and AllGather at 2 and 4 MPI ranks sharing the GPU through CUDA IPC, every
-# algorithm, with --check, and the ring AllReduce without its reduce-and-forward. Results go to $OUT (the device tool's folder) or
-# bench/results/gpu-raw.
+# algorithm, with --check, and the ring AllReduce without forwarding (PYCOLL_FORWARD=0).
+# Results go to $OUT (the device tool's folder) or bench/results/gpu-raw.
 #   bash bench/fetch_wheels.sh   # here, with network: mpi4py, mpich, numpy wheels into .whl/
 #   bash bench/gpu_check.sh      # there
 # Wheels that the machine lacks travel with the tree in .whl/ (see the device notes).
@@ -127,7 +127,7 @@ for ranks in 2 4; do
   done
 done
 
-# 4. The ring's reduce-and-forward (one pass) against reducing, then sending (two):
+# 4. The ring's forwarding (reduce or copy and send in one pass) against two passes:
 # PYCOLL_FORWARD=0, the same run as allreduce-4's ring rows otherwise.
 timeout "$(within 45)" env PYCOLL_FORWARD=0 mpiexec -n 4 "$python" -P -m pycoll bench allreduce \
   --device cuda --algorithm ring -b 64K -e 64M -f 4 -n 10 -w 3 --check 1 \

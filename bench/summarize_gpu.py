@@ -6,7 +6,7 @@
   CuPy's add;
 * every multi-rank collective over CUDA IPC has #wrong = 0;
 
-plus the ring AllReduce with and without its reduce-and-forward (PYCOLL_FORWARD=0),
+plus the ring AllReduce with and without forwarding (PYCOLL_FORWARD=0),
 and which kernel backend was faster (what `kernels/device.py`'s DEFAULT_BACKEND should be).
 
     python bench/summarize_gpu.py OUT_FOLDER > bench/results/gpu-h200.md
@@ -114,9 +114,10 @@ def collective_section(folder: Path) -> list[str]:
 
 
 def forward_section(folder: Path) -> list[str]:
-    """The ring AllReduce with its reduce-and-forward (one pass over each chunk) against the
-    same ring reducing, then sending (PYCOLL_FORWARD=0), per size."""
-    lines = ["## The ring's reduce-and-forward (`PYCOLL_FORWARD=0` for without)", ""]
+    """The ring AllReduce forwarding (each chunk reduced or copied into place and into the
+    next rank's inbox in one pass) against the same ring reducing or copying, then sending
+    (PYCOLL_FORWARD=0), per size."""
+    lines = ["## The ring's forwarding (`PYCOLL_FORWARD=0` for without)", ""]
     paths = [folder / "allreduce-4.json", folder / f"{UNFORWARDED}allreduce-4.json"]
     if not all(p.exists() for p in paths):
         return [*lines, "Not measured (no allreduce-4.json and "

@@ -14,13 +14,13 @@ The protocol, NCCL's default in spirit: each rank owns one registered receive bu
    event and copies the slot into place, or reduces it into place (``combine``), the fused
    read-reduce the executor asks for.
 
-Forwarding (the ring's receive-reduce-send): an ``isend`` ``produced_by`` a receive is
-written by that receive's ``combine`` itself, which gets the peer's slot as a second
-argument and writes the reduced data there as it writes its own (one pass, where a
-reduction and then a copy take two); its notice goes out right then. Where a kernel on
-this device cannot reach the slot, ``combine`` gets None and the slot is then copied. The
-credit must be there by then, so ranks that forward post their receives a step ahead
-(pycoll/execute.py), and a slot is free for reuse once it has been delivered, not at the
+Forwarding (the ring's receive-reduce-send and receive-copy-send): an ``isend``
+``produced_by`` a receive is written by that receive's ``combine`` itself, which gets the
+peer's slot as a second argument and writes the data there as it writes its own (one pass,
+where a reduction or copy and then a copy take two); its notice goes out right then.
+Where a kernel on this device cannot reach the slot, ``combine`` gets None and the slot is
+then copied. The credit must be there by then, so ranks that forward post their receives a
+step ahead (pycoll/execute.py), and a slot is free for reuse once it has been delivered, not at the
 end of a step; each step's slots are packed from the other end of the inbox than the
 previous step's (``start_batch``), so the two fit in what the executor reserves (``reserve``).
 

@@ -9,7 +9,8 @@ The kernels, all grid-stride loops over n elements (traffic per element in item 
   sources per launch, more are chained;
 * ``reduce_copy``: dst = peer = a op b (2 + 2), the ring's receive-reduce-send, writing the
   reduced chunk locally and into the next rank's (IPC-mapped) buffer in one pass;
-* ``copy`` (1 + 1) and ``divide``, avg's finish (1 + 1).
+* ``copy`` (1 + 1), ``copy_pair``: dst = peer = src (1 + 2), the ring's receive-copy-send,
+  and ``divide``, avg's finish (1 + 1).
 
 Vectorized access: each thread moves 16 bytes per load or store (``uint4``, i.e. 8 float16
 or 4 float32 lanes), the widest access a thread can issue; for narrow dtypes that cuts
@@ -339,6 +340,15 @@ class CudaCKernels:
         self._array(dst, "dst", row.dtype, None)
         self._array(src, "src", row.dtype, dst.size)
         self._launch("copy", row.dtype, None, dst.size, (dst, src, np.int64(dst.size)))
+
+    def copy_pair(self, dst: Any, peer: Any, src: Any) -> None:
+        """dst = peer = src in one pass (the ring's receive-copy-send)."""
+        row = table.row_of(dst, "dst")
+        self._array(dst, "dst", row.dtype, None)
+        n = dst.size
+        for x, name in ((peer, "peer"), (src, "src")):
+            self._array(x, name, row.dtype, n)
+        self._launch("copy_pair", row.dtype, None, n, (dst, peer, src, np.int64(n)))
 
     def finish(self, work: Any, op: ReduceOp | str, nranks: int) -> None:
         """After the last reduce: AVG divides by nranks (floats: the float64 quotient rounded

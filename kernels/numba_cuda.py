@@ -8,7 +8,8 @@ item size):
 * ``reduce_n(dst, srcs)``: dst = srcs[0] op ... op srcs[k-1], a tuple of arrays (k reads,
   1 write; compiled once per k);
 * ``reduce_copy(dst, peer, x, y)``: dst = peer = x op y (2 reads, 2 writes);
-* ``copy(dst, src)`` (1 read, 1 write) and ``divide(x, d)``, avg's finish (1 read, 1 write).
+* ``copy(dst, src)`` (1 read, 1 write), ``copy_pair(dst, peer, src)``: dst = peer = src
+  (1 read, 2 writes), and ``divide(x, d)``, avg's finish (1 read, 1 write).
 
 Element access is scalar: Numba has no portable 16-byte vector load, so the CUDA C path
 (cuda_c.py) is the one with vectorized loads; here coalescing alone carries bandwidth.
@@ -164,6 +165,13 @@ _TEMPLATES = {
     + """\
         dst[i] = src[i]
 """,
+    "copy_pair": "def copy_pair(dst, peer, src):\n"
+    + _LOOP
+    + """\
+        v = src[i]
+        dst[i] = v
+        peer[i] = v
+""",
     "divide": "def divide(dst, d):\n"
     + _LOOP
     + """\
@@ -293,6 +301,7 @@ def signature(kernel: str, dtype: object, nsources: int = 2) -> tuple[Any, ...]:
         "reduce_copy": (arr, arr, arr, arr),
         "reduce_n": (arr, types.UniTuple(arr, nsources)),
         "copy": (arr, arr),
+        "copy_pair": (arr, arr, arr),
         "divide": (arr, divisor),
     }[kernel]
 
@@ -458,6 +467,14 @@ class NumbaKernels:
         d = self._array(dst, "dst", row.dtype, None)
         s = self._array(src, "src", row.dtype, dst.size)
         self._launch("copy", row.dtype, None, dst.size, d, s)
+
+    def copy_pair(self, dst: Any, peer: Any, src: Any) -> None:
+        """dst = peer = src in one pass (the ring's receive-copy-send)."""
+        row = table.row_of(dst, "dst")
+        n = dst.size
+        args = [self._array(x, name, row.dtype, n)
+                for x, name in ((dst, "dst"), (peer, "peer"), (src, "src"))]
+        self._launch("copy_pair", row.dtype, None, n, *args)
 
     def finish(self, work: Any, op: ReduceOp | str, nranks: int) -> None:
         """After the last reduce: AVG divides by nranks (floats round once, integers

@@ -10,6 +10,7 @@
 //   reduce_n        dst = s0 op s1 op ... op s(k-1)         k reads + 1 write
 //   reduce_copy     dst = peer = a op b (ring step)         2 reads + 2 writes
 //   copy            dst = src                               1 read  + 1 write
+//   copy_pair       dst = peer = src (ring step, gathering) 1 read  + 2 writes
 //   divide          x = x / nranks (avg's finish)           1 read  + 1 write
 // Outputs may alias inputs element for element (dst == a, say): each element is read
 // before it is written, by the same thread. Partial overlap at an offset is not allowed.
@@ -76,12 +77,22 @@ struct NaryBody {
   }
 };
 
-template <typename T>
+// kPeer: also write to peer (copy_pair); a template flag, so copy pays nothing.
+template <typename T, bool kPeer>
 struct CopyBody {
   T* dst;
+  T* peer;
   const T* src;
-  __device__ void scalar(long long i) const { dst[i] = src[i]; }
-  __device__ void vector(long long i) const { store16(dst + i, load16(src + i)); }
+  __device__ void scalar(long long i) const {
+    const T v = src[i];
+    dst[i] = v;
+    if (kPeer) peer[i] = v;
+  }
+  __device__ void vector(long long i) const {
+    const Vec<T> v = load16(src + i);
+    store16(dst + i, v);
+    if (kPeer) store16(peer + i, v);
+  }
 };
 
 template <typename T>
@@ -137,7 +148,16 @@ __global__ void reduce_copy(T* dst, T* peer, const T* a, const T* b, long long n
 template <typename T>
 __global__ void copy(T* dst, const T* src, long long n) {
   const Split s = split16<T>(n, addr(dst), addr(dst) ^ addr(src));
-  for_each<T>(n, s, CopyBody<T>{dst, src});
+  for_each<T>(n, s, CopyBody<T, false>{dst, nullptr, src});
+}
+
+// dst = peer = src: the ring's receive-copy-send (AllGather, Broadcast), writing the
+// received chunk locally and into the next rank's buffer in one pass over it.
+template <typename T>
+__global__ void copy_pair(T* dst, T* peer, const T* src, long long n) {
+  const unsigned long long d = addr(dst);
+  const Split s = split16<T>(n, d, (d ^ addr(peer)) | (d ^ addr(src)));
+  for_each<T>(n, s, CopyBody<T, true>{dst, peer, src});
 }
 
 // x = x / nranks, avg's finish: floats round the float64 quotient once, integers truncate.

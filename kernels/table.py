@@ -106,6 +106,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("reduce_n", True, "T*, pycoll::Sources<T>, int, long long"),
     Kernel("reduce_copy", True, "T*, T*, const T*, const T*, long long"),
     Kernel("copy", False, "T*, const T*, long long"),
+    Kernel("copy_pair", False, "T*, T*, const T*, long long"),
     Kernel("divide", False, "T*, long long, long long"),
 )
 _KERNELS_BY_NAME = {k.name: k for k in KERNELS}

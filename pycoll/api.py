@@ -682,7 +682,7 @@ def _run(
     prepared = comm.prepared.get(key)
     if prepared is None:
         prepared = _prepare(comm, key)
-    schedule, program, reduce, reduce_n, reduce_copy, plan = prepared
+    schedule, program, reduce, reduce_n, reduce_copy, copy_pair, plan = prepared
     if select.DEBUG and not comm.agreeing:  # the agreement's own exchange is not news
         select.report(plan, comm.rank)
     source = x if x.ndim == 1 else x.reshape(-1)
@@ -706,7 +706,7 @@ def _run(
     try:
         run(program, source, target, transport, tag, reduce, space, scratch,
             f"{collective.value} ({schedule.algorithm})", comm.traffic.add, reduce_n,
-            reduce_copy)
+            reduce_copy, copy_pair)
     except CollectiveTimeout as error:
         raise _broken(comm, error) from None
 
@@ -767,22 +767,25 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
     reduce_n = (space.reducer_n(op, dtype)
                 if op is not None and program.has_reduce_groups and hasattr(space, "reducer_n")
                 else None)
-    # reduce and send in one pass (device kernels): given on every rank of a schedule that
-    # reduces then sends, whether or not this rank forwards, as all must post ahead alike
+    # copy or reduce, and send, in one pass (device kernels): given on every rank of a
+    # schedule that receives then sends, whether or not this rank forwards, as all must post
+    # ahead alike
+    copy_pair = getattr(space, "copy_pair", None) if program.posts_ahead else None
     reduce_copy = (space.reducer_copy(op, dtype)
-                   if op is not None and program.posts_ahead and hasattr(space, "reducer_copy")
+                   if op is not None and copy_pair is not None and hasattr(space, "reducer_copy")
                    else None)
-    if reduce_copy is not None and not _forwarding():  # still posted ahead: safe if ranks differ
+    if copy_pair is not None and not _forwarding():  # still posted ahead: safe if ranks differ
         program = dataclasses.replace(program, forwards=tuple(() for _ in program.steps))
     if len(comm.prepared) >= PREPARED_CALLS:  # a long size sweep: start over rather than grow
         comm.prepared.clear()
-    comm.prepared[key] = prepared = (schedule, program, reduce, reduce_n, reduce_copy, plan)
+    comm.prepared[key] = prepared = (schedule, program, reduce, reduce_n, reduce_copy, copy_pair,
+                                     plan)
     return prepared
 
 
 def _forwarding() -> bool:
-    """``PYCOLL_FORWARD=0`` makes the ring reduce, then send (two passes), instead of writing
-    the next rank's buffer as it reduces: to measure what the fused pass gains."""
+    """``PYCOLL_FORWARD=0`` makes the ring reduce (or copy), then send (two passes), instead
+    of writing the next rank's buffer as it does: to measure what the fused pass gains."""
     text = os.environ.get("PYCOLL_FORWARD", "1")
     if text not in ("0", "1"):
         raise ValueError(f"PYCOLL_FORWARD={text!r} is invalid; allowed: 0 or 1")

@@ -60,10 +60,10 @@ class Program:
     # direct schedules' every-rank-to-one), which an n-ary reduce can do in one pass.
     reduce_groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
     # Per step: (receive position, position of a transmit in the next step) where the next
-    # step sends exactly the range this receive reduces into, to the only message to that
-    # peer there: a transport can write the result into the peer's buffer as it reduces.
+    # step sends exactly the range this receive copies or reduces into, to the only message
+    # to that peer there: a transport can write it into the peer's buffer as it lands.
     forwards: tuple[tuple[tuple[int, int], ...], ...] = ()
-    # The schedule reduces then sends somewhere (on some rank): every rank then posts its
+    # The schedule receives then sends somewhere (on some rank): every rank then posts its
     # receives a step ahead when forwarding, so that a forward never waits on a rank that is
     # itself waiting to forward.
     posts_ahead: bool = False
@@ -185,14 +185,14 @@ def compile_program(
         for k in range(len(steps))
     )
     return Program(tuple(seeds), tuple(steps), most, tuple(groups), forwards,
-                   schedule.reduces_then_sends)
+                   schedule.receives_then_sends)
 
 
 def _forwards(step, groups, following) -> tuple[tuple[int, int], ...]:
     """The (receive, next step's transmit) pairs of ``Program.forwards`` for one step.
 
-    Only a receive that reduces in one pass (not a plain copy, nor two reductions), alone on
-    its range in this step, and a transmit that is the only message to its peer in the next
+    Only a receive that copies, or reduces in one pass (not two reductions), alone on its
+    range in this step, and a transmit that is the only message to its peer in the next
     step (the peer's credits are matched in order: a forwarded message must not overtake
     another to the same peer). Only between consecutive steps of this rank: its peers post
     their receives one step ahead, no further (that this never makes a rank wait on itself
@@ -201,10 +201,10 @@ def _forwards(step, groups, following) -> tuple[tuple[int, int], ...]:
     grouped = {i for members in groups for i in members}
     candidates = [
         (i, r) for i, r in enumerate(receives)
-        if r.scratch >= 0 and (r.fused is not None or not r.first)  # one pass: not a copy,
-        and (r.first or not r.own_last) and i not in grouped  # nor two reductions
+        if (r.scratch < 0 or (r.fused is not None or not r.first))  # a copy, or one pass:
+        and (r.first or not r.own_last) and i not in grouped  # not two reductions
     ]
-    if not candidates:  # most steps of most schedules (the model compiles thousands)
+    if not candidates:
         return ()
     transmits = following[1]
     to_peer: dict[int, list[int]] = {}
@@ -264,6 +264,7 @@ def run(
     count: Callable[[int, int], None] | None = None,
     reduce_n: Callable[[Any, list], None] | None = None,
     reduce_copy: Callable[[Any, Any, Any, Any], None] | None = None,
+    copy_pair: Callable[[Any, Any, Any], None] | None = None,
 ) -> None:
     """Seed WORK from INPUT (flat views), then run the program's steps in order.
 
@@ -276,13 +277,14 @@ def run(
     when given, and when the transport ``lends_until_next_step`` (what it lends a combine stays
     readable until its next call), does a step's reductions into one range in one pass
     after the step's messages are in, folding in the same order as one by one.
-    ``reduce_copy(dst, peer, a, b)`` (dst = peer = a op b), when given, and when the
-    transport ``forwards`` (its ``isend`` takes ``produced_by``: the message is written as
-    that receive is combined), reduces a chunk the next step sends straight into the
-    receiver's buffer as well (``Program.forwards``), one pass instead of a reduction and a
-    copy; every rank then posts its receives a step ahead, each step's as one batch
-    (``transport.start_batch()``). A transport that can ``reserve(nbytes)`` is told once
-    what the call's receives hold at once.
+    ``copy_pair(dst, peer, src)`` (dst = peer = src) and ``reduce_copy(dst, peer, a, b)``
+    (dst = peer = a op b), when given, and when the transport ``forwards`` (its ``isend``
+    takes ``produced_by``: the message is written as that receive is combined), write a
+    chunk the next step sends straight into the receiver's buffer as well, as it is copied
+    or reduced into place (``Program.forwards``), one pass instead of two; every rank then
+    posts its receives a step ahead (``copy_pair`` given: the device space's, on every
+    rank alike), each step's as one batch (``transport.start_batch()``). A transport that
+    can ``reserve(nbytes)`` is told once what the call's receives hold at once.
     """
     for in_start, in_stop, work_start, work_stop in program.seeds:
         target = work[work_start:work_stop]
@@ -297,9 +299,9 @@ def run(
             if reduce_n is None or not getattr(transport, "lends_until_next_step", False):
                 reduce_n = None
             if not (program.posts_ahead and getattr(transport, "forwards", False)):
-                reduce_copy = None
+                reduce_copy = copy_pair = None
             _run_delivered(program, source, work, transport, tag, reduce, space, at, count,
-                           reduce_n, reduce_copy)
+                           reduce_n, reduce_copy, copy_pair)
         else:
             _run_steps(program, source, work, transport, tag, reduce, space, scratch, at,
                        count)
@@ -346,8 +348,17 @@ def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at
 
 
 def _run_delivered(program: Program, source, work, transport, tag: int, reduce: Reducer,
-                   space: Any, at: list[int], count, reduce_n, reduce_copy) -> None:
-    ahead = reduce_copy is not None  # receives posted a step ahead (see run)
+                   space: Any, at: list[int], count, reduce_n, reduce_copy,
+                   copy_pair) -> None:
+    ahead = copy_pair is not None  # receives posted a step ahead, to forward (see run)
+
+    def forwards_at(index: int) -> list[tuple[int, int]]:
+        """``Program.forwards[index]`` that this call's kernels can make."""
+        if not ahead:
+            return []
+        receives = program.steps[index][0]
+        return [(i, j) for i, j in program.forwards[index]
+                if receives[i].scratch < 0 or reduce_copy is not None]
 
     def post_receives(index: int) -> tuple[list, dict[int, Any], tuple]:
         receives = program.steps[index][0]
@@ -355,17 +366,19 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
             transport.start_batch()
         groups = program.reduce_groups[index] if reduce_n is not None else ()
         grouped = {i for members in groups for i in members}
-        forwarded = {i for i, _ in program.forwards[index]} if reduce_copy is not None else ()
+        forwarded = {i for i, _ in forwards_at(index)}
         lent: dict[int, Any] = {}  # position in receives -> what the transport lent
         requests = []
         for i, r in enumerate(receives):
-            if r.scratch < 0:
-                combine = None
-            elif i in grouped:
-                combine = functools.partial(lent.__setitem__, i)
+            if i in forwarded and r.scratch < 0:
+                combine = functools.partial(_copy_forward, space, copy_pair, work, r)
             elif i in forwarded:
                 combine = functools.partial(_reduce_forward, reduce, reduce_copy, space, work,
                                             source, r)
+            elif r.scratch < 0:
+                combine = None
+            elif i in grouped:
+                combine = functools.partial(lent.__setitem__, i)
             else:
                 combine = functools.partial(_reduce, reduce, space, work, source, r)
             requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag, combine))
@@ -392,18 +405,26 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
                 made = transport.isend(out, t.peer, tag)
             sends.append(made)
         forwarded_sends = {}
-        if reduce_copy is not None:  # after this step's sends: a peer's credits come in order
-            following = program.steps[index + 1][1] if program.forwards[index] else ()
-            for i, j in program.forwards[index]:
-                t = following[j]
-                out = work[t.start : t.stop]
-                if count is not None:
-                    count(t.peer, out.nbytes)
-                forwarded_sends[j] = transport.isend(out, t.peer, tag, produced_by=requests[i])
+        for i, j in forwards_at(index):  # after this step's sends: credits come in order
+            t = program.steps[index + 1][1][j]
+            out = work[t.start : t.stop]
+            if count is not None:
+                count(t.peer, out.nbytes)
+            forwarded_sends[j] = transport.isend(out, t.peer, tag, produced_by=requests[i])
         transport.waitall(requests + sends)
         for members in groups:
             _reduce_group(reduce, reduce_n, space, work, source,
                           [(receives[i], lent[i]) for i in members])
+
+
+def _copy_forward(space: Any, copy_pair, work, receive: Receive, incoming, peer) -> None:
+    """A copy receive whose range the next step sends: into WORK and into ``peer`` (the
+    receiver's buffer) in one pass over ``incoming`` (``peer`` None: into WORK only)."""
+    target = work[receive.start : receive.stop]
+    if peer is None:
+        space.copy(target, incoming)
+    else:
+        copy_pair(target, peer, incoming)
 
 
 def _reduce_forward(reduce: Reducer, reduce_copy, space: Any, work, source, receive: Receive,

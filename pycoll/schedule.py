@@ -144,19 +144,18 @@ class Schedule:
         return frozenset(joined)
 
     @cached_property
-    def reduces_then_sends(self) -> bool:
-        """Whether some rank reduces into a chunk in one step and sends that chunk from WORK
-        in the next (the ring's receive-reduce-send), so that a transport may write the sum
-        into the next rank's buffer while it reduces. Read from every rank's steps, so every
-        rank gets the same answer (they must all post their receives a step ahead, or none).
-        A chunk that several receives of the step reduce into is folded after them all (the
-        direct schedules), not forwarded."""
+    def receives_then_sends(self) -> bool:
+        """Whether some rank receives a chunk in one step (reducing or copying) and sends that
+        chunk from WORK in the next (the ring's receive-reduce-send and receive-copy-send),
+        so that a transport may write it into the next rank's buffer as it lands. Read from
+        every rank's steps, so every rank gets the same answer (they must all post their
+        receives a step ahead, or none). A chunk that several receives of the step reduce
+        into is folded after them all (the direct schedules), not forwarded."""
         for steps in self.steps:
             for now, after in zip(steps, steps[1:]):
                 receives = Counter(t.chunk for t in now if isinstance(t, Recv))
-                reduced = {t.chunk for t in now
-                           if isinstance(t, Recv) and t.reduce and receives[t.chunk] == 1}
-                if any(isinstance(t, Send) and t.buffer is Buffer.WORK and t.chunk in reduced
+                received = {chunk for chunk, times in receives.items() if times == 1}
+                if any(isinstance(t, Send) and t.buffer is Buffer.WORK and t.chunk in received
                        for t in after):
                     return True
         return False

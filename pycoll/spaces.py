@@ -131,6 +131,11 @@ class CudaSpace:
         receive-reduce-send: ``peer`` is the next rank's inbox slot)."""
         return complex_as_real_copy(_gpu_kernels().reduce_copy, op, dtype)
 
+    def copy_pair(self, dst: Any, peer: Any, src: Any) -> None:
+        """dst = peer = src in one pass (the ring's receive-copy-send: ``peer`` is the next
+        rank's inbox slot), any dtype: as unsigned integers of its width."""
+        _gpu_kernels().copy_pair(*(as_words(x) for x in (dst, peer, src)))
+
     def finish(self, work: Any, op: ReduceOp, nranks: int) -> None:
         _gpu_kernels().finish(real_view(work), op, nranks)
 
@@ -279,6 +284,13 @@ def _pairs_of(op: ReduceOp, dtype: Any) -> np.dtype | None:
         raise TypeError(f"op={op.value!r} on {dtype.name} device arrays has no GPU kernel; "
                         "allowed for complex device arrays: sum, avg")
     return _real_of(dtype)
+
+
+def as_words(x: Any) -> Any:
+    """``x`` as unsigned integers of its element's width (16-byte elements as two 8-byte
+    words): what a copy kernel moves for any dtype."""
+    itemsize = np.dtype(x.dtype).itemsize
+    return x.view(f"u{min(itemsize, 8)}")
 
 
 def real_view(work: Any) -> Any:

@@ -75,6 +75,11 @@ void host_copy(PYCOLL_HOST_ARGS) {
 }
 
 template <typename T>
+void host_copy_pair(PYCOLL_HOST_ARGS) {
+  pycoll_host_launch(g, b, pycoll::copy_pair<T>, (T*)p[0], (T*)p[1], (const T*)p[2], n);
+}
+
+template <typename T>
 void host_divide(PYCOLL_HOST_ARGS) {
   pycoll_host_launch(g, b, pycoll::divide<T>, (T*)p[0], n, r);
 }

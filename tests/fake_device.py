@@ -173,6 +173,7 @@ class FakeDevice:
         self.operations = 0
         self.n_ary_reductions = 0  # reduce_n launches (the direct schedules' one-pass fold)
         self.reduce_copies = 0  # reduce_copy launches (the ring's receive-reduce-send)
+        self.copy_pairs = 0  # copy_pair launches (the ring's receive-copy-send)
         self.allocations: list[FakeAllocation] = []
         self._freed: dict[int, np.ndarray] = {}  # id -> buffer of each freed allocation
 
@@ -346,6 +347,22 @@ class FakeDevice:
             np.asarray(peer)[...] = result
 
         self._enqueue(run, "reduce_copy")
+
+    def copy_pair(self, dst: Any, peer: Any, src: Any) -> None:
+        # as the GPU space's: one launch on the arrays as words (dst, peer: src's shape)
+        dst, peer, src = (spaces.as_words(x) for x in (dst, peer, src))
+        table.gpu_dtype(dst.dtype)
+        if any(x.shape != dst.shape or x.dtype != dst.dtype for x in (peer, src)):
+            raise ValueError("copy_pair: peer and src must have dst's shape and dtype")
+        with self._lock:
+            self.copy_pairs += 1
+
+        def run() -> None:
+            self._check_live(dst, peer, src)
+            np.asarray(dst)[...] = src
+            np.asarray(peer)[...] = src
+
+        self._enqueue(run, "copy_pair")
 
     def finish(self, work: Any, op: Any, nranks: int) -> None:
         work = spaces.real_view(work)

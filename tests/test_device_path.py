@@ -666,14 +666,18 @@ def test_every_ranks_piece_is_folded_in_one_pass_in_rank_order(peer_device, coll
     memory folds them with one n-ary reduce after the step's messages are in, in the order
     one-by-one reductions take: the bits are the host path's (non-integer floats, where the
     order shows). Beyond one launch's 16 sources (17 ranks) it reduces one by one."""
-    folded = _same_bits_as_the_host(peer_device, "n_ary_reductions", collective, algorithm,
-                                    nranks, 16 * nranks + 3)
+    folded = _same_bits_as_the_host(peer_device, collective, algorithm, nranks,
+                                    16 * nranks + 3)["n_ary_reductions"]
     assert folded == (0 if nranks > 16 else nranks), folded  # one per rank: its own piece
 
 
-def _same_bits_as_the_host(device, counter, collective, algorithm, nranks, count):
-    """Sum non-integer floats (where the order of additions shows) on the stand-in and on
-    the host, uneven counts; assert the same bits; return how much ``device.<counter>`` grew."""
+LAUNCH_COUNTERS = ("n_ary_reductions", "reduce_copies", "copy_pairs")
+
+
+def _same_bits_as_the_host(device, collective, algorithm, nranks, count):
+    """Sum (or gather) non-integer floats (where the order of additions shows) on the
+    stand-in and on the host, uneven counts; assert the same bits; return how many of each
+    of the stand-in's counted launches (LAUNCH_COUNTERS) the collective made."""
     rng = np.random.default_rng(nranks)
     inputs = [rng.standard_normal(count).astype(np.float32) for _ in range(nranks)]
     counts = [count // nranks + (r < count % nranks) for r in range(nranks)]
@@ -681,11 +685,13 @@ def _same_bits_as_the_host(device, counter, collective, algorithm, nranks, count
     def call(x):
         if collective == "allreduce":
             return pycoll.allreduce(x, "sum", algorithm=algorithm)
+        if collective == "allgather":
+            return pycoll.allgather(x, algorithm=algorithm)
         return pycoll.reduce_scatter(x, "sum", counts=counts, algorithm=algorithm)
 
-    before = getattr(device, counter)
+    before = {name: getattr(device, name) for name in LAUNCH_COUNTERS}
     results = on_device(device, nranks, lambda r: call(device_array(inputs[r])))
-    grew = getattr(device, counter) - before
+    grew = {name: getattr(device, name) - before[name] for name in LAUNCH_COUNTERS}
     host = pycoll.run_local(nranks, lambda: call(inputs[pycoll.world().rank]))
     for got, want in zip(results, host, strict=True):
         np.testing.assert_array_equal(got, want)
@@ -693,16 +699,21 @@ def _same_bits_as_the_host(device, counter, collective, algorithm, nranks, count
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 4, 7])
-@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter"])
-def test_the_ring_writes_each_reduced_chunk_to_the_next_rank_as_it_reduces(
-        peer_device, collective, nranks):
-    """Over peer memory, a chunk the ring reduces in one step and sends in the next is
-    written into the next rank's inbox by the reduction itself (one reduce_copy, no separate
-    copy): n - 1 per rank for AllReduce (the last one feeds AllGather's first step), n - 2
-    for ReduceScatter. The bits are the host path's (non-integer floats, uneven counts)."""
-    per_rank = nranks - 1 if collective == "allreduce" else nranks - 2
-    assert _same_bits_as_the_host(peer_device, "reduce_copies", collective, "ring", nranks,
-                                  40 * nranks + 3) == nranks * per_rank
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather"])
+def test_the_ring_writes_each_chunk_to_the_next_rank_as_it_lands(peer_device, collective,
+                                                                  nranks):
+    """Over peer memory, a chunk the ring receives in one step and sends in the next is
+    written into the next rank's inbox by the reduction (reduce_copy) or copy (copy_pair)
+    that puts it in place, with no copy of its own. Per rank: AllReduce n - 1 reductions
+    (the last feeds AllGather's first step) and n - 2 copies, ReduceScatter n - 2
+    reductions, AllGather n - 2 copies. The bits are the host path's (non-integer floats,
+    uneven counts)."""
+    reductions, copies = {"allreduce": (nranks - 1, nranks - 2),
+                          "reduce_scatter": (nranks - 2, 0),
+                          "allgather": (0, nranks - 2)}[collective]
+    launched = _same_bits_as_the_host(peer_device, collective, "ring", nranks, 40 * nranks + 3)
+    assert launched["reduce_copies"] == nranks * reductions
+    assert launched["copy_pairs"] == nranks * copies
 
 
 @pytest.mark.parametrize("nranks,count", [(4, 100_000), (8, 80_001), (3, 30_001)])
@@ -748,12 +759,12 @@ def test_a_forwarded_send_is_made_by_its_receive(peer_device):
 def test_where_kernels_cannot_reach_the_next_ranks_inbox_the_ring_reduces_then_copies(
         peer_device, monkeypatch):
     """Threads of one process on two GPUs without peer access: a kernel here cannot write
-    the other device's inbox, so the reduction writes WORK only and the slot is copied (as
-    a plain send would); the results do not change."""
+    the other device's inbox, so the reduction (or copy) writes WORK only and the slot is
+    copied (as a plain send would); the results do not change."""
     monkeypatch.setattr(peer_device, "kernels_reach", lambda slot: False, raising=False)
-    before = peer_device.reduce_copies
+    before = peer_device.reduce_copies, peer_device.copy_pairs
     _many_allreduces(peer_device, 4, [1000, 37], algorithm="ring")
-    assert peer_device.reduce_copies == before
+    assert (peer_device.reduce_copies, peer_device.copy_pairs) == before
 
 
 def test_forwarding_can_be_turned_off_on_any_ranks(peer_device, monkeypatch):
@@ -762,13 +773,14 @@ def test_forwarding_can_be_turned_off_on_any_ranks(peer_device, monkeypatch):
     from pycoll import api
 
     monkeypatch.setenv("PYCOLL_FORWARD", "0")
-    before = peer_device.reduce_copies
+    before = peer_device.reduce_copies, peer_device.copy_pairs
     _many_allreduces(peer_device, 3, [100, 7])
-    assert peer_device.reduce_copies == before
+    assert (peer_device.reduce_copies, peer_device.copy_pairs) == before
     setting = api._forwarding
     monkeypatch.setattr(api, "_forwarding", lambda: pycoll.world().rank == 1)
     _many_allreduces(peer_device, 3, [100, 7])
-    assert peer_device.reduce_copies == before + 2 * 2  # rank 1's 2 chunks, in 2 calls
+    # rank 1's 2 reductions and 1 copy, in 2 calls
+    assert (peer_device.reduce_copies, peer_device.copy_pairs) == (before[0] + 4, before[1] + 2)
     monkeypatch.setattr(api, "_forwarding", setting)
     monkeypatch.setenv("PYCOLL_FORWARD", "yes")
     with pytest.raises(ValueError, match="PYCOLL_FORWARD='yes' is invalid; allowed: 0 or 1"):
@@ -787,3 +799,20 @@ def test_a_rank_that_receives_nothing_allocates_no_inbox(peer_device):
     for out, _ in results:
         np.testing.assert_array_equal(out, np.arange(6))
     assert results[0][1] == [] and all(inboxes for _, inboxes in results[1:])
+
+
+@pytest.mark.parametrize("nranks,segments", [(4, None), (5, 3)])
+def test_the_ring_broadcast_passes_each_piece_on_as_it_copies_it(peer_device, monkeypatch,
+                                                                  nranks, segments):
+    """Every rank between the root and the last copies each piece into place and into the
+    next rank's inbox in one pass (segments: the pipelined pieces)."""
+    from pycoll import select
+
+    monkeypatch.setattr(select, "FORCED_SEGMENTS", segments)
+    data = np.arange(1001, dtype=np.int64)
+    before = peer_device.copy_pairs
+    results = on_device(peer_device, nranks, lambda r: pycoll.broadcast(
+        device_array(data if r == 1 else np.zeros_like(data)), 1, algorithm="ring"))
+    for got in results:
+        np.testing.assert_array_equal(got, data)
+    assert peer_device.copy_pairs - before == (nranks - 2) * (segments or 1)

@@ -80,13 +80,16 @@ def test_both_ends_agree_on_every_message(family, nranks):
                 assert sent == received, (family, collective, nranks, nsegments, count)
 
 
-def test_the_ring_forwards_each_chunk_it_reduces_to_the_step_that_sends_it():
+def test_the_ring_forwards_each_chunk_it_receives_to_the_step_that_sends_it():
     compiled = program("ring", Collective.ALLREDUCE, 4, rank=1)
     # 3 ReduceScatter steps, each reducing the chunk the next step sends (the third's goes
-    # out in AllGather's first step), then 3 AllGather steps that only copy
-    assert compiled.forwards == (((0, 0),), ((0, 0),), ((0, 0),), (), (), ())
-    for (receives, _), (_, following) in zip(compiled.steps, compiled.steps[1:4]):
+    # out in AllGather's first step), then 3 AllGather steps, each copying the chunk the next
+    # sends on, but the last
+    assert compiled.forwards == (((0, 0),),) * 5 + ((),)
+    for (receives, _), (_, following) in zip(compiled.steps, compiled.steps[1:]):
         assert (receives[0].start, receives[0].stop) == (following[0].start, following[0].stop)
+    assert [r.scratch >= 0 for receives, _ in compiled.steps for r in receives] == [
+        True] * 3 + [False] * 3  # reductions, then copies
     assert compiled.posts_ahead
 
 
@@ -94,15 +97,16 @@ def test_the_ring_forwards_each_chunk_it_reduces_to_the_step_that_sends_it():
     ("ring", Collective.ALLREDUCE, True),
     ("ring", Collective.REDUCE_SCATTER, True),
     ("tree", Collective.REDUCE, True),
+    ("ring", Collective.ALLGATHER, True),  # receive-copy-send
+    ("tree", Collective.BROADCAST, True),
     ("direct", Collective.ALLREDUCE, False),  # one step: nothing follows a reduction
     ("two_shot", Collective.ALLREDUCE, False),  # pieces folded after all arrive, then sent
-    ("ring", Collective.ALLGATHER, False),  # nothing is reduced
-    ("tree", Collective.BROADCAST, False),
+    ("direct", Collective.ALLGATHER, False),
 ])
 def test_every_rank_reads_whether_to_post_ahead_from_the_whole_schedule(family, collective,
                                                                         expected):
     schedule = algorithms.build(family, collective, 5, 1, 0)
-    assert schedule.reduces_then_sends is expected
+    assert schedule.receives_then_sends is expected
     layout = Layout.even(20, schedule.nblocks, 1)
     assert {compile_program(schedule, r, layout, layout).posts_ahead for r in range(5)} == {
         expected}
@@ -129,7 +133,8 @@ def test_no_forward_across_a_step_left_empty_or_to_a_peer_with_two_messages():
 
 
 @pytest.mark.parametrize("collective", [Collective.ALLREDUCE, Collective.REDUCE_SCATTER,
-                                        Collective.REDUCE])
+                                        Collective.REDUCE, Collective.ALLGATHER,
+                                        Collective.BROADCAST])
 def test_a_rank_forwards_only_where_every_rank_posts_ahead(collective):
     """Posting ahead is read from the schedule, forwarding from one rank's program with its
     sizes: wherever some rank forwards, the schedule must say so, or its peer would not have
@@ -144,6 +149,6 @@ def test_a_rank_forwards_only_where_every_rank_posts_ahead(collective):
                 for count in (0, 1, nranks - 1, 2 * nranks + 1, 97):
                     programs = model.programs(schedule, count)
                     if any(any(p.forwards) for p in programs):
-                        assert schedule.reduces_then_sends, (family, nranks, nsegments, count)
+                        assert schedule.receives_then_sends, (family, nranks, nsegments, count)
                         checked += 1
     assert checked > 100

@@ -637,6 +637,10 @@ def test_gpu_every_kernel_matches_host(gpu, dt, op):
         k.copy(got, dc)
         assert _same(cp.asnumpy(got), c), n
 
+        dst, peer = cp.zeros_like(da), cp.zeros_like(da)
+        k.copy_pair(dst, peer, dc)
+        assert _same(cp.asnumpy(dst), c) and _same(cp.asnumpy(peer), c), n
+
 
 @pytest.mark.parametrize("dt", GPU_DTYPES, ids=_ids)
 def test_gpu_vector_head_tail_and_scalar_paths(gpu, dt):
@@ -658,6 +662,12 @@ def test_gpu_vector_head_tail_and_scalar_paths(gpu, dt):
                 assert _same(cp.asnumpy(dst[sa]), want), (oa, ob, size)
                 assert not cp.asnumpy(dst[:oa]).any(), "wrote before the slice"
                 assert not cp.asnumpy(dst[oa + size :]).any(), "wrote past the slice"
+                # copy_pair: the received chunk (sb) into WORK (sa) and a peer's slot (sa)
+                dst, peer = (cp.zeros(n + 2 * lanes, dtype=dt) for _ in range(2))
+                k.copy_pair(dst[sa], peer[sa], db[sb])
+                for out in (dst, peer):
+                    assert _same(cp.asnumpy(out[sa]), base_b[sb]), (oa, ob, size)
+                    assert not cp.asnumpy(out[:oa]).any() and not cp.asnumpy(out[oa + size:]).any()
 
 
 def test_gpu_float_semantics(gpu):

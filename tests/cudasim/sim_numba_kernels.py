@@ -132,6 +132,9 @@ def test_copy(kernels, dt, n):
     dst = np.zeros_like(src)
     kernels.copy(dst, src)
     assert same(dst, src)
+    dst, peer = np.zeros_like(src), np.zeros_like(src)
+    kernels.copy_pair(dst, peer, src)
+    assert same(dst, src) and same(peer, src)
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=_ids)

@@ -107,7 +107,7 @@ device.synchronize()
 want = [np.full(64, i * P + P * (P - 1) // 2, np.int64) for i in range(len(outs))]
 check("back-to-back allreduces", [host_array(o) for o in outs], want)
 
-# The ring's reduce-and-forward gives the bits of reducing, then sending (PYCOLL_FORWARD=0):
+# The ring's forwarding gives the bits of reducing or copying, then sending (PYCOLL_FORWARD=0):
 # non-integer floats, where the order of additions shows.
 noise = np.random.default_rng(RANK).standard_normal(1000 * P + 3).astype(np.float32)
 by_setting = {}
@@ -123,8 +123,9 @@ check("ring forwarding keeps the bits", by_setting["1"].tobytes() == by_setting[
       True)
 
 if isinstance(device, FakeDevice) and expected_transport == "PeerMemoryTransport" and P > 1:
-    # the ring wrote each reduced chunk into the next rank's inbox as it reduced it
+    # the ring wrote each chunk into the next rank's inbox as it reduced or copied it
     check("ring reduce-and-forward", device.reduce_copies >= 50 * (P - 1), True)
+    check("ring copy-and-forward", device.copy_pairs >= 50 * (P - 2), True)
 
 kind = type(comm.device_transport(device)).__name__
 check("transport", kind, expected_transport if P > 1 else kind)
