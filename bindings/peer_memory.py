@@ -344,7 +344,7 @@ class PeerMemoryTransport:
         elif self._kernels_reach(slot):
             r.combine(incoming, slot)
             self._notify(forward)
-        else:  # a kernel here cannot write there: reduce, then copy as a send would
+        else:  # a kernel here cannot write there: put in place, then copy as a send would
             r.combine(incoming, None)
             self.space.copy(slot, forward.buf.reshape(-1))
             self._notify(forward)

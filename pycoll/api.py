@@ -18,7 +18,7 @@ import numpy as np
 from pycoll import agree, algorithms, select
 from pycoll.bindings.transport import CollectiveTimeout, WaitTimeout
 from pycoll.comm import Communicator, world
-from pycoll.execute import compile_program, run
+from pycoll.execute import compile_program, run, some_rank_forwards
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
 from pycoll.schedule import Collective, Layout, split
 from pycoll.spaces import HOST, space_of
@@ -756,21 +756,20 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
                                 comm.ranks_per_node)
     work_blocks = tuple(split(size, schedule.nblocks)) if blocks is None else blocks
     input_blocks = work_blocks if input_blocks is None else input_blocks
+    work_layout = Layout(list(work_blocks), schedule.nsegments)
     program = compile_program(
-        schedule,
-        comm.rank,
-        Layout(list(input_blocks), schedule.nsegments),
-        Layout(list(work_blocks), schedule.nsegments),
+        schedule, comm.rank, Layout(list(input_blocks), schedule.nsegments), work_layout
     )
     reduce = space.reducer(op, dtype) if op is not None else _no_reduction
     # one pass over every rank's piece (device kernels), where the program has such steps
     reduce_n = (space.reducer_n(op, dtype)
                 if op is not None and program.has_reduce_groups and hasattr(space, "reducer_n")
                 else None)
-    # copy or reduce, and send, in one pass (device kernels): given on every rank of a
-    # schedule that receives then sends, whether or not this rank forwards, as all must post
-    # ahead alike
-    copy_pair = getattr(space, "copy_pair", None) if program.posts_ahead else None
+    # copy or reduce, and send, in one pass (device kernels, peer memory within one node):
+    # given on every rank where some rank forwards, whether or not this one does, as all
+    # must post ahead alike
+    copy_pair = (space.copy_pair if hasattr(space, "copy_pair") and len(set(comm.nodes())) == 1
+                 and some_rank_forwards(schedule, work_layout) else None)
     reduce_copy = (space.reducer_copy(op, dtype)
                    if op is not None and copy_pair is not None and hasattr(space, "reducer_copy")
                    else None)

@@ -188,6 +188,19 @@ def compile_program(
                    schedule.receives_then_sends)
 
 
+def some_rank_forwards(schedule: Schedule, work_layout: Layout) -> bool:
+    """Whether any rank's program forwards (``Program.forwards``) at these sizes. Every
+    rank knows every rank's WORK layout, so all read the same answer: whether all post their
+    receives ahead (``Program.posts_ahead`` is the sizeless superset; joined messages and
+    empty chunks make the difference, halving-doubling's AllGather say). Forwards depend on
+    WORK's layout alone: INPUT's decides which seeds are deferred, not what a step receives
+    and sends on."""
+    if not schedule.receives_then_sends:
+        return False
+    return any(any(compile_program(schedule, rank, work_layout, work_layout).forwards)
+               for rank in range(schedule.nranks))
+
+
 def _forwards(step, groups, following) -> tuple[tuple[int, int], ...]:
     """The (receive, next step's transmit) pairs of ``Program.forwards`` for one step.
 

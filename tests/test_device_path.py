@@ -816,3 +816,23 @@ def test_the_ring_broadcast_passes_each_piece_on_as_it_copies_it(peer_device, mo
     for got in results:
         np.testing.assert_array_equal(got, data)
     assert peer_device.copy_pairs - before == (nranks - 2) * (segments or 1)
+
+
+def test_a_schedule_that_never_forwards_holds_one_step_of_inbox(peer_device):
+    """Halving-doubling's AllGather receives what it has gathered so far and sends twice
+    that next: nothing to forward, so no rank posts ahead, and the inbox holds its largest
+    step (half the result), not two steps."""
+    count = 100_000
+    before = peer_device.copy_pairs
+
+    def body():
+        x = device_array(np.full(count, pycoll.world().rank, np.float32))
+        out = pycoll.allgather(x, algorithm="halving_doubling")
+        peer_device.synchronize()
+        inboxes = pycoll.world().device_transport(peer_device)._inboxes
+        return host_array(out), sum(i.capacity for i in inboxes)
+
+    for out, held in pycoll.run_local(4, body):
+        np.testing.assert_array_equal(out, np.repeat(np.arange(4, dtype=np.float32), count))
+        assert held <= 2 * count * 4 + 4096 + 64, held
+    assert peer_device.copy_pairs == before

@@ -152,3 +152,42 @@ def test_a_rank_forwards_only_where_every_rank_posts_ahead(collective):
                         assert schedule.receives_then_sends, (family, nranks, nsegments, count)
                         checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("collective", [Collective.ALLREDUCE, Collective.REDUCE_SCATTER,
+                                        Collective.REDUCE, Collective.ALLGATHER,
+                                        Collective.BROADCAST])
+def test_whether_any_rank_forwards_is_read_from_work_sizes_alone(collective):
+    """Every rank decides from WORK's layout (which all ranks know) whether some rank
+    forwards; INPUT's layout (a rank's own block in AllGather, uneven here) never changes a
+    program's forwards, so the answer is each rank's real one."""
+    from pycoll.execute import some_rank_forwards
+
+    for family in algorithms.families_for(collective):
+        for nranks in (1, 2, 3, 5, 8):
+            for nsegments in (1, 3):
+                schedule = algorithms.build(family, collective, nranks, nsegments, 0)
+                for blocks in ([3] * schedule.nblocks,
+                               [(7 * b) % 5 for b in range(schedule.nblocks)]):
+                    work = Layout(blocks, nsegments)
+                    real = [compile_program(schedule, r, Layout([blocks[r % len(blocks)]],
+                                                                nsegments)
+                                            if collective is Collective.ALLGATHER else work,
+                                            work)
+                            for r in range(nranks)]
+                    alone = [compile_program(schedule, r, work, work) for r in range(nranks)]
+                    assert [p.forwards for p in real] == [p.forwards for p in alone]
+                    assert some_rank_forwards(schedule, work) == any(
+                        any(p.forwards) for p in real)
+
+
+def test_halving_doubling_allgather_posts_nothing_ahead_as_it_never_forwards():
+    """Its received message (the blocks gathered so far) is never what it sends next (twice
+    that): posting ahead would only hold a second step of inbox."""
+    from pycoll.execute import some_rank_forwards
+
+    schedule = algorithms.build("halving_doubling", Collective.ALLGATHER, 8, 1, None)
+    assert schedule.receives_then_sends  # chunk by chunk, it could
+    assert not some_rank_forwards(schedule, Layout.even(8 * 1000, 8, 1))
+    ring = algorithms.build("ring", Collective.ALLGATHER, 8, 1, None)
+    assert some_rank_forwards(ring, Layout.even(8 * 1000, 8, 1))

@@ -103,7 +103,7 @@ def wait(channel, index, why):
 class Incoming:
     def __init__(self, label, credit, notice):
         self.label, self.credit, self.notice = label, credit, notice
-        self.forward = None  # the Outgoing this receive's reduction writes
+        self.forward = None  # the Outgoing this receive's copy or reduction writes
         self.delivered = False
 
 

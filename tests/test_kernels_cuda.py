@@ -662,12 +662,19 @@ def test_gpu_vector_head_tail_and_scalar_paths(gpu, dt):
                 assert _same(cp.asnumpy(dst[sa]), want), (oa, ob, size)
                 assert not cp.asnumpy(dst[:oa]).any(), "wrote before the slice"
                 assert not cp.asnumpy(dst[oa + size :]).any(), "wrote past the slice"
-                # copy_pair: the received chunk (sb) into WORK (sa) and a peer's slot (sa)
+                # copy_pair and reduce_copy: into WORK (sa) and a peer's slot at the other
+                # offset (sb), so that the peer alone can take the all-scalar path
                 dst, peer = (cp.zeros(n + 2 * lanes, dtype=dt) for _ in range(2))
-                k.copy_pair(dst[sa], peer[sa], db[sb])
-                for out in (dst, peer):
-                    assert _same(cp.asnumpy(out[sa]), base_b[sb]), (oa, ob, size)
-                    assert not cp.asnumpy(out[:oa]).any() and not cp.asnumpy(out[oa + size:]).any()
+                k.copy_pair(dst[sa], peer[sb], db[sa])
+                assert _same(cp.asnumpy(dst[sa]), base_b[sa]), (oa, ob, size)
+                assert _same(cp.asnumpy(peer[sb]), base_b[sa]), (oa, ob, size)
+                for out, at in ((dst, oa), (peer, ob)):
+                    assert not cp.asnumpy(out[:at]).any(), "wrote before the slice"
+                    assert not cp.asnumpy(out[at + size :]).any(), "wrote past the slice"
+                dst, peer = (cp.zeros(n + 2 * lanes, dtype=dt) for _ in range(2))
+                k.reduce_copy(dst[sa], peer[sb], da[sa], db[sa], "sum")
+                want = _host("sum", dt, [base_a[sa], base_b[sa]])
+                assert _same(cp.asnumpy(dst[sa]), want) and _same(cp.asnumpy(peer[sb]), want)
 
 
 def test_gpu_float_semantics(gpu):
