@@ -174,7 +174,8 @@ def message_labels(program, rank):
 
 def run_delivered(program, rank, transport, post_ahead=True, forwards_first=False):
     """``execute._run_delivered`` with forwarding on (``copy_pair`` given, which the API
-    does exactly when ``program.posts_ahead`` on a device). The two flags break it on purpose, as
+    does on one node where some rank forwards; here whenever ``program.posts_ahead``, the
+    sizeless superset of that). The two flags break it on purpose, as
     controls: ``post_ahead=False`` forwards without posting receives a step ahead;
     ``forwards_first`` makes the forwarded sends before the step's own sends."""
     forwarding = program.posts_ahead
