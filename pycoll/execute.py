@@ -373,13 +373,14 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
         return [(i, j) for i, j in program.forwards[index]
                 if receives[i].scratch < 0 or reduce_copy is not None]
 
-    def post_receives(index: int) -> tuple[list, dict[int, Any], tuple]:
+    def post_receives(index: int) -> tuple[list, dict[int, Any], tuple, list]:
         receives = program.steps[index][0]
         if ahead:  # this step's slots at the other end of the inbox from the last step's
             transport.start_batch()
         groups = program.reduce_groups[index] if reduce_n is not None else ()
         grouped = {i for members in groups for i in members}
-        forwarded = {i for i, _ in forwards_at(index)}
+        forwards = forwards_at(index)
+        forwarded = {i for i, _ in forwards}
         lent: dict[int, Any] = {}  # position in receives -> what the transport lent
         requests = []
         for i, r in enumerate(receives):
@@ -395,7 +396,7 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
             else:
                 combine = functools.partial(_reduce, reduce, space, work, source, r)
             requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag, combine))
-        return requests, lent, groups
+        return requests, lent, groups, forwards
 
     reserve = getattr(transport, "reserve", None)
     if reserve is not None:  # one inbox for the whole call, not one per growing claim
@@ -406,7 +407,7 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
         at[0] = index
         if posted is None:
             posted = post_receives(index)
-        requests, lent, groups = posted
+        requests, lent, groups, forwards = posted
         posted = post_receives(index + 1) if ahead and index + 1 < len(program.steps) else None
         sends = []
         for j, t in enumerate(transmits):  # after the receives, so that sends find them posted
@@ -418,7 +419,7 @@ def _run_delivered(program: Program, source, work, transport, tag: int, reduce: 
                 made = transport.isend(out, t.peer, tag)
             sends.append(made)
         forwarded_sends = {}
-        for i, j in forwards_at(index):  # after this step's sends: credits come in order
+        for i, j in forwards:  # after this step's sends: a peer's credits come in order
             t = program.steps[index + 1][1][j]
             out = work[t.start : t.stop]
             if count is not None:
