@@ -10,6 +10,7 @@ Each kernel's bandwidth counts the bytes it reads plus the bytes it writes, per 
 | reduce_pair | dst = a op b (the fused seed) | 3 |
 | reduce_n (k=4) | dst = s0 op s1 op s2 op s3 | 5 |
 | reduce_copy | dst = peer = a op b | 4 |
+| copy_pair | dst = peer = src, as unsigned words (the ring's receive-copy-send) | 3 |
 
 and is reported against the device-to-device copy bandwidth measured in the same run (the
 roofline for a streaming kernel) and against CuPy's add at the same size and dtype. Times are
@@ -43,11 +44,12 @@ from typing import Any, TextIO
 import numpy as np
 
 from pycoll.kernels import ReduceOp, table
+from pycoll.spaces import as_words
 
-KERNELS = ("reduce", "reduce_pair", "reduce_n", "reduce_copy")
+KERNELS = ("reduce", "reduce_pair", "reduce_n", "reduce_copy", "copy_pair")
 SOURCES = 4  # reduce_n's k
 BYTES_PER_ELEMENT = {"copy": 2, "cupy_add": 3, "reduce": 3, "reduce_pair": 3,
-                     "reduce_n": SOURCES + 1, "reduce_copy": 4}
+                     "reduce_n": SOURCES + 1, "reduce_copy": 4, "copy_pair": 3}
 BUFFERS_PER_SET = SOURCES + 1  # reduce_n's sources and dst; the other calls use a subset
 # The rotated sets together exceed this many L2s: then more than one L2 of other buffers
 # is touched between two uses of a set, whatever the size.
@@ -244,6 +246,9 @@ def _kernel_calls(gpu_kernels: Callable[..., Any], backend: str, op: ReduceOp,
         "reduce_pair": lambda a, b, c, *extra: reducer()(c, a, b),
         "reduce_n": lambda a, b, c, *extra: kernels().reduce_n(c, [a, b, *extra], op),
         "reduce_copy": lambda a, b, c, *extra: kernels().reduce_copy(c, extra[0], a, b, op),
+        # as the device space calls it: any dtype moved as unsigned words of its width
+        "copy_pair": lambda a, b, c, *extra: kernels().copy_pair(
+            *(as_words(x) for x in (c, extra[0], a))),
     }
 
 

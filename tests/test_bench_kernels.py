@@ -12,6 +12,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -210,8 +211,12 @@ class CompileException(Exception):
 
 
 class FakeBuffer:
-    def __init__(self, ptr: int) -> None:
+    def __init__(self, ptr: int, dtype: Any = np.float32) -> None:
         self.data = types.SimpleNamespace(ptr=ptr)
+        self.dtype = np.dtype(dtype)
+
+    def view(self, dtype: Any) -> FakeBuffer:
+        return FakeBuffer(self.data.ptr, dtype)
 
 
 def _fake_cupy(launches: list[tuple[str, int]]) -> types.SimpleNamespace:
@@ -222,7 +227,7 @@ def _fake_cupy(launches: list[tuple[str, int]]) -> types.SimpleNamespace:
         memcpyAsync=lambda dst, src, n, kind, stream: launches.append(("copy", dst)),
     )
     return types.SimpleNamespace(
-        ones=lambda n, dtype: FakeBuffer(next(ptrs)),
+        ones=lambda n, dtype: FakeBuffer(next(ptrs), dtype),
         add=lambda a, b, out: launches.append(("cupy_add", out.data.ptr)),
         cuda=types.SimpleNamespace(
             runtime=runtime, get_current_stream=lambda: types.SimpleNamespace(ptr=0)),
@@ -251,6 +256,11 @@ class FakeKernels:
         assert peer is not dst
         self.launches.append((f"reduce_copy/{self.backend}", dst.data.ptr))
 
+    def copy_pair(self, dst, peer, src):
+        assert len({dst.data.ptr, peer.data.ptr, src.data.ptr}) == 3
+        assert {x.dtype for x in (dst, peer, src)} == {np.dtype(np.uint32)}  # float32's words
+        self.launches.append((f"copy_pair/{self.backend}", dst.data.ptr))
+
 
 def test_a_failing_kernel_is_a_row_and_the_rest_still_run(monkeypatch):
     from pycoll.kernels import device
@@ -277,19 +287,20 @@ def test_a_failing_kernel_is_a_row_and_the_rest_still_run(monkeypatch):
     assert [(r.kernel, r.backend) for r in rows] == [
         ("copy", "cuda"), ("cupy_add", "cupy"),
         ("reduce", "cupy"), ("reduce_pair", "cupy"), ("reduce_n", "cupy"),
-        ("reduce_copy", "cupy"),
+        ("reduce_copy", "cupy"), ("copy_pair", "cupy"),
         ("reduce", "numba"), ("reduce_pair", "numba"), ("reduce_n", "numba"),
-        ("reduce_copy", "numba"),
+        ("reduce_copy", "numba"), ("copy_pair", "numba"),
     ]
-    failed = rows[8]
+    failed = rows[9]
     assert failed.error == "CompileException: reduce.cu(1): error: no\nsecond line"
     assert math.isnan(failed.time_us) and math.isnan(failed.bandwidth)
     assert failed.of_copy is None and failed.vs_cupy_add is None
     measured = [r for r in rows if r.error is None]
-    assert len(measured) == 9
+    assert len(measured) == 11
     copy_bw = 2 * nbytes / 1e-3 / 1e9
     assert rows[0].bandwidth == pytest.approx(copy_bw)
     assert rows[4].bandwidth == pytest.approx(5 * nbytes / 1e-3 / 1e9)  # reduce_n: 5 per el.
+    assert rows[6].bandwidth == pytest.approx(3 * nbytes / 1e-3 / 1e9)  # copy_pair: 3 per el.
     assert all(r.vs_cupy_add == pytest.approx(1.0) for r in measured[1:])
 
     # every kernel, baselines included, went round the same three sets of buffers
@@ -299,8 +310,9 @@ def test_a_failing_kernel_is_a_row_and_the_rest_still_run(monkeypatch):
     for what, dst in launches:
         by_kernel.setdefault(what, []).append(dst)
     assert set(by_kernel) == {"copy", "cupy_add", "reduce/cupy", "reduce_pair/cupy",
-                              "reduce_n/cupy", "reduce_copy/cupy", "reduce/numba",
-                              "reduce_pair/numba", "reduce_copy/numba"}
+                              "reduce_n/cupy", "reduce_copy/cupy", "copy_pair/cupy",
+                              "reduce/numba", "reduce_pair/numba", "reduce_copy/numba",
+                              "copy_pair/numba"}
     dsts = {dst for dsts in by_kernel.values() for dst in dsts}
     assert len(dsts) == count
     for what, seq in by_kernel.items():
