@@ -4,7 +4,8 @@
   in the same run (bytes read plus written; `pycoll bench kernels`), and the fused pair
   reduction (dst = a op b, the same work as `cupy.add(a, b, out=c)`) is at least as fast as
   CuPy's add;
-* every multi-rank collective over CUDA IPC has #wrong = 0;
+* every multi-rank collective over CUDA IPC has #wrong = 0 (not shown while a run stopped
+  before its end: its exit status is read from collectives.txt);
 
 plus the ring AllReduce with and without forwarding (PYCOLL_FORWARD=0),
 and which kernel backend was faster (what `kernels/device.py`'s DEFAULT_BACKEND should be).
@@ -15,6 +16,7 @@ and which kernel backend was faster (what `kernels/device.py`'s DEFAULT_BACKEND 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -83,18 +85,40 @@ def kernel_section(rows: list[dict]) -> list[str]:
     return lines
 
 
+def run_exits(folder: Path) -> dict[str, int]:
+    """Each collective run's exit status, from collectives.txt's closing lines, by the name
+    of its JSON file without '.json' (124: stopped by gpu_check.sh's time limit)."""
+    exits = {}
+    for line in (_read(folder / "collectives.txt") or "").splitlines():
+        said = re.fullmatch(r"# (\w+) on (\d+) ranks(, ring, PYCOLL_FORWARD=0)?: exit (\d+)",
+                            line.strip())
+        if said:
+            name, ranks, unforwarded, status = said.groups()
+            exits[f"{UNFORWARDED if unforwarded else ''}{name}-{ranks}"] = int(status)
+    return exits
+
+
 def collective_section(folder: Path) -> list[str]:
-    """#wrong and the fastest algorithm per collective, rank count and size."""
+    """#wrong and the fastest algorithm per collective, rank count and size; a run that did
+    not finish (its rows are those measured before it stopped) keeps the bar from being met."""
     lines = ["## Collectives over CUDA IPC (`pycoll bench --device cuda --check 1`)", ""]
-    files = sorted(p for p in folder.glob("*-[0-9]*.json"))
-    if not files:
+    files = {p.name[: -len(".json")]: p for p in sorted(folder.glob("*-[0-9]*.json"))}
+    exits = run_exits(folder)
+    if not files and not exits:
         return [*lines, "No collective results.", ""]
-    lines += ["| collective | ranks | rows | #wrong | sizes | fastest at the largest size |",
-              "|---|---|---|---|---|---|"]
-    total_wrong = 0
-    for path in files:
-        rows = json.loads(path.read_text())
+    lines += ["| collective | ranks | rows | #wrong | sizes | fastest at the largest size | exit |",
+              "|---|---|---|---|---|---|---|"]
+    total_wrong, unfinished = 0, []
+    for name in sorted(set(files) | set(exits)):
+        rows = json.loads(files[name].read_text()) if name in files else []
+        status = exits.get(name)
+        if status not in (None, 0, 1):  # 1: the run ended and some value was wrong
+            unfinished.append(name)
+        said = "-" if status is None else str(status)
         if not rows:
+            collective, ranks = name.removeprefix(UNFORWARDED).rsplit("-", 1)
+            label = collective + (" (PYCOLL_FORWARD=0)" if name.startswith(UNFORWARDED) else "")
+            lines.append(f"| {label} | {ranks} | 0 | - | - | - | {said} |")
             continue
         wrong = sum(r["wrong"] for r in rows)
         total_wrong += wrong
@@ -105,10 +129,15 @@ def collective_section(folder: Path) -> list[str]:
                 if fastest else "-")
         sizes = f"{human(min(r['size'] for r in rows))} .. {human(largest)}"
         label = rows[0]["collective"] + (" (PYCOLL_FORWARD=0)"
-                                         if path.name.startswith(UNFORWARDED) else "")
+                                         if name.startswith(UNFORWARDED) else "")
         lines.append(f"| {label} | {rows[0]['nranks']} | {len(rows)} | {wrong} | "
-                     f"{sizes} | {best} |")
-    lines += ["", f"Bar, every multi-rank IPC collective #wrong = 0: {_verdict(total_wrong == 0)}"
+                     f"{sizes} | {best} | {said} |")
+    if total_wrong == 0 and unfinished:
+        verdict = (f"not shown: {len(unfinished)} run(s) stopped before the end "
+                   f"({', '.join(unfinished)}; exit 124 is gpu_check.sh's time limit)")
+    else:
+        verdict = _verdict(total_wrong == 0)
+    lines += ["", f"Bar, every multi-rank IPC collective #wrong = 0: {verdict}"
                   f" ({total_wrong} wrong values in all).", ""]
     return lines
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
+import os
 import re
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TextIO
 
 import numpy as np
 
@@ -167,9 +168,12 @@ def validate(options: Options) -> Collective:
     return collective
 
 
-def run(options: Options, comm: Communicator, progress: Callable[[int, int], None] | None = None
+def run(options: Options, comm: Communicator, on_row: Callable[[Row], None] | None = None
         ) -> list[Row]:
-    """Benchmark every size and algorithm on ``comm``; every rank gets the same rows."""
+    """Benchmark every size and algorithm on ``comm``; every rank gets the same rows.
+
+    ``on_row`` is called on rank 0 with each row as soon as it is measured.
+    """
     collective = validate(options)
     dtype = np.dtype(check_dtype(options.dtype))
     native = comm.mpi_comm if options.against == "mpi" else None
@@ -179,8 +183,6 @@ def run(options: Options, comm: Communicator, progress: Callable[[int, int], Non
         raise ValueError(f"--root={options.root} is not a rank; allowed: 0..{comm.size - 1}")
     all_sizes = sizes(options.min_bytes, options.max_bytes, options.step_factor)
     rows: list[Row] = []
-    steps = len(all_sizes) * len(options.algorithms)
-    done = 0
     bandwidth = node_copy_bandwidth(comm) if options.roofline else None
     for size in all_sizes:
         for algorithm in options.algorithms:
@@ -191,9 +193,8 @@ def run(options: Options, comm: Communicator, progress: Callable[[int, int], Non
                 if row.native_time_us:
                     row.native_roofline_pct = 100 * floor_us / row.native_time_us
             rows.append(row)
-            done += 1
-            if progress is not None and comm.rank == 0:
-                progress(done, steps)
+            if on_row is not None and comm.rank == 0:
+                on_row(row)
     return rows
 
 
@@ -459,31 +460,41 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
     return row
 
 
-def format_table(rows: list[Row], title: str) -> str:
-    against = any(r.native_time_us is not None for r in rows)
+def format_header(title: str, against: bool, roofline: bool) -> str:
+    """The table's title and column names (``against``: the native MPI columns)."""
     head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'redop':>5} {'root':>4} "
             f"{'algorithm':>16} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} "
             f"{'#wrong':>6}")
-    roofline = any(r.roofline_pct is not None for r in rows)
     if against:
         head += f" {'mpi(us)':>10} {'mpi busbw':>9} {'ratio':>6}"
     if roofline:
         head += f" {'roofline%':>9}" + (f" {'mpi roof%':>9}" if against else "")
-    lines = [f"# {title}", "#" + head[1:]]
-    for r in rows:
-        line = (f"{r.size:>12} {r.count:>11} {r.type:>8} {r.redop:>5} {r.root:>4} "
-                f"{r.algorithm:>16} {r.time_us:>10.1f} {r.algbw:>11.3f} {r.busbw:>11.3f} "
-                f"{r.wrong:>6}")
+    return f"# {title}\n#{head[1:]}"
+
+
+def format_row(r: Row, against: bool, roofline: bool) -> str:
+    line = (f"{r.size:>12} {r.count:>11} {r.type:>8} {r.redop:>5} {r.root:>4} "
+            f"{r.algorithm:>16} {r.time_us:>10.1f} {r.algbw:>11.3f} {r.busbw:>11.3f} "
+            f"{r.wrong:>6}")
+    if against:
+        line += f" {r.native_time_us:>10.1f} {r.native_busbw:>9.3f} {r.ratio:>6.2f}"
+    if roofline:
+        line += f" {r.roofline_pct or 0:>9.1f}"
         if against:
-            line += f" {r.native_time_us:>10.1f} {r.native_busbw:>9.3f} {r.ratio:>6.2f}"
-        if roofline:
-            line += f" {r.roofline_pct or 0:>9.1f}"
-            if against:
-                line += f" {r.native_roofline_pct or 0:>9.1f}"
-        lines.append(line)
+            line += f" {r.native_roofline_pct or 0:>9.1f}"
+    return line
+
+
+def format_footer(rows: list[Row]) -> str:
     wrong = sum(r.wrong for r in rows)
-    lines.append(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
-    return "\n".join(lines)
+    return f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}"
+
+
+def format_table(rows: list[Row], title: str) -> str:
+    against = any(r.native_time_us is not None for r in rows)
+    roofline = any(r.roofline_pct is not None for r in rows)
+    return "\n".join([format_header(title, against, roofline),
+                      *(format_row(r, against, roofline) for r in rows), format_footer(rows)])
 
 
 def write_json(rows: list[Row], path: str) -> None:
@@ -495,24 +506,52 @@ def write_csv(rows: list[Row], path: str) -> None:
     names = list(asdict(rows[0])) if rows else []
     lines = [",".join(names)]
     lines += [",".join("" if v is None else str(v) for v in asdict(r).values()) for r in rows]
-    _write("\n".join(lines) + "\n", path)
+    _write("\n".join(lines), path)
 
 
 def _write(text: str, path: str) -> None:
     if path == "-":
         sys.stdout.write(text + "\n")
-    else:
-        with open(path, "w") as f:
-            f.write(text + "\n")
-
-
-def progress_bar(done: int, total: int) -> None:
-    """A one-line bar on stderr, for interactive sweeps only."""
-    if not sys.stderr.isatty():
+        sys.stdout.flush()
         return
-    width = 30
-    filled = math.floor(width * done / total)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+    # Write then rename, so a run killed mid-write leaves the previous complete file.
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
+class RowStream:
+    """``run``'s ``on_row`` for the command line, as nccl-tests prints: the header before the
+    first row, each row as it is measured, and the JSON and CSV files rewritten with every
+    row so far, so that a run killed by a time limit keeps what it measured ('-', stdout, is
+    written once, by ``close``). ``close`` prints the footer."""
+
+    def __init__(self, title: str, against: bool, roofline: bool, json_path: str | None = None,
+                 csv_path: str | None = None, out: TextIO | None = None) -> None:
+        self.title, self.against, self.roofline = title, against, roofline
+        self.json_path, self.csv_path, self.out = json_path, csv_path, out
+        self.rows: list[Row] = []
+
+    def _print(self, text: str) -> None:
+        print(text, file=sys.stdout if self.out is None else self.out, flush=True)
+
+    def __call__(self, row: Row) -> None:
+        if not self.rows:
+            self._print(format_header(self.title, self.against, self.roofline))
+        self.rows.append(row)
+        self._print(format_row(row, self.against, self.roofline))
+        if self.json_path not in (None, "-"):
+            write_json(self.rows, self.json_path)
+        if self.csv_path not in (None, "-"):
+            write_csv(self.rows, self.csv_path)
+
+    def close(self, rows: list[Row]) -> None:
+        """After the run: the footer, and the files for '-'."""
+        if not self.rows:
+            self._print(format_header(self.title, self.against, self.roofline))
+        self._print(format_footer(rows))
+        if self.json_path == "-":
+            write_json(rows, "-")
+        if self.csv_path == "-":
+            write_csv(rows, "-")

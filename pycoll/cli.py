@@ -220,16 +220,27 @@ def _bench(args: argparse.Namespace) -> int:
         bad = None
     if not _command_line_ok("pycoll bench", bad):
         return 2
+    # Rows are printed (and the files rewritten) on rank 0 as they are measured, so a run
+    # stopped by a time limit keeps them; with --json - or --csv -, stdout is the machine's
+    # and the table goes to stderr.
+    if args.ranks is not None:
+        size, where = args.ranks, "in-process"
+    else:
+        comm = pycoll.world()
+        size, where = comm.size, "MPI" if comm.mpi_comm else "in-process"
+    title = (f"pycoll bench {options.collective}: {size} ranks ({where}), "
+             f"iters {options.iters}, warmup {options.warmup}, median of the slowest rank")
+    stream = bench.RowStream(title, against=options.against is not None,
+                             roofline=options.roofline, json_path=args.json,
+                             csv_path=args.csv,
+                             out=sys.stderr if "-" in (args.json, args.csv) else None)
     try:
         if args.ranks is not None:
-            results = pycoll.run_local(
-                args.ranks, lambda: bench.run(options, pycoll.world(), bench.progress_bar)
-            )
-            rows, rank, size, where = results[0], 0, args.ranks, "in-process"
+            results = pycoll.run_local(args.ranks,
+                                       lambda: bench.run(options, pycoll.world(), stream))
+            rows, rank = results[0], 0
         else:
-            comm = pycoll.world()
-            rows = bench.run(options, comm, bench.progress_bar)
-            rank, size, where = comm.rank, comm.size, "MPI" if comm.mpi_comm else "in-process"
+            rows, rank = bench.run(options, comm, stream), comm.rank
     except (ValueError, TypeError, RuntimeError) as error:
         print(f"pycoll bench: {error}", file=sys.stderr)
         return 2
@@ -238,15 +249,7 @@ def _bench(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if rank == 0:
-        title = (f"pycoll bench {options.collective}: {size} ranks ({where}), "
-                 f"iters {options.iters}, warmup {options.warmup}, median of the slowest rank")
-        # with --json - or --csv -, stdout is the machine's: the table goes to stderr
-        table_to = sys.stderr if "-" in (args.json, args.csv) else sys.stdout
-        print(bench.format_table(rows, title), file=table_to, flush=True)
-        if args.json:
-            bench.write_json(rows, args.json)
-        if args.csv:
-            bench.write_csv(rows, args.csv)
+        stream.close(rows)
     return 0 if all(r.wrong == 0 for r in rows) else 1
 
 

@@ -190,3 +190,40 @@ def test_roofline_columns_report_a_share_of_the_node_bandwidth(capsys):
 def test_roofline_is_for_host_memory(capsys):
     assert main(["bench", "--ranks", "2", "--device", "cuda", "--roofline"]) == 2
     assert "--roofline measures host memory" in capsys.readouterr().err
+
+
+def test_rows_are_printed_and_saved_as_they_are_measured(monkeypatch, capsys, tmp_path):
+    """A run stopped part way (a time limit, a failure) keeps the rows it measured: each is
+    printed and the files rewritten as it comes, as nccl-tests prints."""
+    measure = bench._measure
+    measured = []
+
+    def two_then_fail(options, collective, dtype, size, algorithm, comm, native):
+        if len(measured) == 2 * 2:  # two rows, each measured by both ranks
+            raise RuntimeError("stopped")
+        row = measure(options, collective, dtype, size, algorithm, comm, native)
+        measured.append(row)
+        return row
+
+    monkeypatch.setattr(bench, "_measure", two_then_fail)
+    out, csv = tmp_path / "rows.json", tmp_path / "rows.csv"
+    code = main(["bench", "allreduce", "--ranks", "2", "-b", "8", "-e", "8K", "-f", "4",
+                 "-n", "2", "-w", "1", "--check", "1", "--json", str(out), "--csv", str(csv)])
+    printed = capsys.readouterr()
+    assert code == 2 and "stopped" in printed.err
+    lines = printed.out.splitlines()
+    assert lines[0].startswith("# pycoll bench allreduce: 2 ranks") and "#wrong" in lines[1]
+    assert [line.split()[0] for line in lines[2:]] == ["8", "32"]
+    assert [r["size"] for r in json.loads(out.read_text())] == [8, 32]
+    assert len(csv.read_text().splitlines()) == 1 + 2
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_json_to_stdout_is_written_once_and_the_table_goes_to_stderr(capsys):
+    assert main(["bench", "reduce_scatter", "--ranks", "3", "-b", "24", "-e", "96", "-f", "4",
+                 "-n", "1", "-w", "0", "--check", "1", "--json", "-"]) == 0
+    printed = capsys.readouterr()
+    rows = json.loads(printed.out)
+    assert [r["size"] for r in rows] == [24, 96] and all(r["wrong"] == 0 for r in rows)
+    assert printed.err.count("#wrong") == 1
+    assert printed.err.rstrip().endswith("# out of bounds values: 0 OK")

@@ -134,3 +134,24 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     assert names == sorted([f"{c}-{n}.json" for n in (2, 4)
                             for c in ("allreduce", "reduce_scatter", "allgather")]
                            + ["unforwarded-allreduce-4.json"]), names
+
+
+def test_a_collective_run_stopped_by_the_time_limit_keeps_the_bar_from_being_met(tmp_path):
+    """A run killed part way leaves the rows it measured (pycoll bench rewrites its JSON per
+    row) and its exit status in collectives.txt; one killed before its first row, only that."""
+    write(tmp_path, collectives={
+        "allreduce-2.json": [collective("allreduce", 2, MiB, "ring", 9)],
+        "allgather-4.json": [collective("allgather", 4, MiB, "ring", 9)],
+    })
+    (tmp_path / "collectives.txt").write_text(
+        "# allreduce on 2 ranks: exit 0\n# allgather on 4 ranks: exit 124\n"
+        "# allreduce on 4 ranks, ring, PYCOLL_FORWARD=0: exit 124\n")
+    page = summarize_gpu.main(str(tmp_path))
+    assert "| allreduce | 2 | 1 | 0 | 1 MiB .. 1 MiB | ring (116.5 GB/s busbw) | 0 |" in page
+    assert "| allgather | 4 | 1 | 0 | 1 MiB .. 1 MiB | ring (116.5 GB/s busbw) | 124 |" in page
+    assert "| allreduce (PYCOLL_FORWARD=0) | 4 | 0 | - | - | - | 124 |" in page
+    assert ("#wrong = 0: not shown: 2 run(s) stopped before the end (allgather-4, "
+            "unforwarded-allreduce-4; exit 124 is gpu_check.sh's time limit)") in page
+    (tmp_path / "collectives.txt").write_text(
+        "# allreduce on 2 ranks: exit 0\n# allgather on 4 ranks: exit 0\n")
+    assert "#wrong = 0: met (0 wrong values in all)" in summarize_gpu.main(str(tmp_path))
