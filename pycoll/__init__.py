@@ -19,6 +19,7 @@ from pycoll.bindings.local import Deadlock
 from pycoll.bindings.transport import CollectiveTimeout, PeerFailed
 from pycoll.comm import Communicator, new_group, run_local, world
 from pycoll.kernels import ReduceOp
+from pycoll.verify import VerificationError
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "Deadlock",
     "PeerFailed",
     "ReduceOp",
+    "VerificationError",
     "allgather",
     "allreduce",
     "alltoall",

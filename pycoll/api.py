@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pycoll import agree, algorithms, select
+from pycoll import agree, algorithms, select, verify
 from pycoll.bindings.transport import CollectiveTimeout, WaitTimeout
 from pycoll.comm import Communicator, world
 from pycoll.execute import compile_program, run, some_rank_forwards
@@ -28,6 +28,7 @@ Array = Any  # a numpy.ndarray, or a device array (cupy.ndarray) of a registered
 PREPARED_CALLS = 1024  # call shapes remembered per communicator
 
 
+@verify.verified("allreduce")
 def allreduce(
     x: Array,
     op: OpLike = "sum",
@@ -144,6 +145,7 @@ def _sum_in_rank_order(out: np.ndarray, parts: tuple, reduce: Any) -> None:
         reduce(out, part)
 
 
+@verify.verified("reduce_scatter")
 def reduce_scatter(
     x: Array,
     op: OpLike = "sum",
@@ -184,6 +186,7 @@ def reduce_scatter(
     return out
 
 
+@verify.verified("allgather")
 def allgather(
     x: Array,
     *,
@@ -229,6 +232,7 @@ def allgather(
     return out
 
 
+@verify.verified("broadcast")
 def broadcast(
     x: Array,
     root: int = 0,
@@ -257,6 +261,7 @@ def broadcast(
     return x
 
 
+@verify.verified("reduce")
 def reduce(
     x: Array,
     op: OpLike = "sum",
@@ -297,6 +302,7 @@ def reduce(
     return out
 
 
+@verify.verified("alltoall")
 def alltoall(
     x: Array,
     *,
@@ -317,6 +323,7 @@ def alltoall(
         return _alltoallv(x, counts, counts, out, comm)
 
 
+@verify.verified("alltoallv")
 def alltoallv(
     x: Array,
     send_counts: list[int],

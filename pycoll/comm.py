@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from pycoll import agree
+from pycoll import verify as verification
 from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
 from pycoll.bindings.mpi import (
     CountedMPITransport,
@@ -77,6 +78,9 @@ class Communicator:
         self.check = agree.enabled_by_default()
         self.agreeing = False  # inside the agreement's own exchange
         self.agreements = 0  # collectives checked so far: the sequence number
+        # PYCOLL_VERIFY: each collective's result checked against the oracle (pycoll/verify.py)
+        self._verify = verification.enabled_by_default()
+        self.verifying = False  # inside a verified call or its check
         self.prepared: dict[tuple, tuple] = {}  # per call shape: schedule, program, reducer
         self._device_transports: dict[tuple, Any] = {}
         self.topologies: dict[str, Any] = {}  # per kind of transport: the costs selection uses
@@ -120,6 +124,22 @@ class Communicator:
         queue = self.queue if lane is None else self.lanes.get(lane)
         if queue is not None and queue.busy:
             queue.drain()
+
+    @property
+    def verify(self) -> bool:
+        """Whether each collective's result is checked against the numpy oracle, raising
+        :class:`pycoll.VerificationError` on every rank if any rank's differs (see
+        pycoll/verify.py; debugging only: it costs far more than the collective). Default
+        from ``PYCOLL_VERIFY``. Set it alike on every rank."""
+        return self._verify
+
+    @verify.setter
+    def verify(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"verify={on!r} is invalid; allowed: True or False")
+        if on:
+            verification.turn_on()
+        self._verify = on
 
     @property
     def timeout(self) -> float | None:

@@ -121,6 +121,18 @@ def test_a_timeout_names_the_missing_rank_on_every_process(transport, count):
     assert shm_files() - before == set()
 
 
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_verification_between_processes(nranks):
+    """PYCOLL_VERIFY=1 over MPI and shared memory: right results pass; one wrong element on
+    rank 1 raises VerificationError naming it on every rank, and the job goes on."""
+    done = launch(nranks, "-m", "mpi4py", str(HERE / "verify.py"), PYCOLL_VERIFY="1")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    named = nranks if nranks > 1 else 0
+    assert (f"verify on {nranks} ranks: {4 * nranks} passed, 0 failed, {named} ranks named "
+            "rank 1") in output, output
+
+
 @pytest.mark.parametrize("collective,nranks", [("allreduce", 3), ("reduce_scatter", 2),
                                                ("allgather", 3)])
 def test_the_gpu_check_collective_bench_between_processes(collective, nranks):

@@ -1,0 +1,305 @@
+"""Verification against the oracle as the program runs (PYCOLL_VERIFY=1, comm.verify): right
+results pass, whatever order an algorithm combines floats in; a wrong result on any rank
+raises the same VerificationError on every rank, naming that rank; no rank is left waiting."""
+
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import exact_input
+from fake_device import FakeDevice, device_array, host_array
+
+import pycoll
+from pycoll import api, oracle, spaces, verify
+from pycoll.algorithms import families_for
+from pycoll.schedule import Collective
+
+FAMILIES = {c: [f for f in families_for(c) if not f.startswith("hierarchical")]
+            for c in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.ALLGATHER,
+                      Collective.BROADCAST, Collective.REDUCE)}
+
+
+@pytest.fixture(autouse=True)
+def verifying(monkeypatch):
+    monkeypatch.setenv("PYCOLL_VERIFY", "1")
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "auto")  # schedules, not the one-shot
+
+
+@pytest.fixture(params=["auto", "shm"])
+def transport(request, monkeypatch):
+    """Both host exchanges: the threads' rendezvous transport and the shared-memory slots
+    (whose small calls take the one-shot paths)."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", request.param)
+
+
+def every_collective(rank: int, nranks: int, count: int, dtype, op: str, algorithm: str
+                     ) -> list:
+    """Each collective once on this rank's exact input (uneven counts where allowed)."""
+    dt = np.dtype(dtype)
+    flat = exact_input(rank, count * nranks, dt, op)
+    counts = [count + (r % 2) for r in range(nranks)]
+    mine = exact_input(rank, counts[rank], dt, op, seed=1)
+    whole = exact_input(rank, sum(counts), dt, op, seed=2)
+    family = {c: algorithm if algorithm in FAMILIES[c] else "auto" for c in FAMILIES}
+    return [
+        pycoll.allreduce(flat, op, algorithm=family[Collective.ALLREDUCE]),
+        pycoll.reduce_scatter(flat, op, algorithm=family[Collective.REDUCE_SCATTER]),
+        pycoll.reduce_scatter(whole, op, counts=counts,
+                              algorithm=family[Collective.REDUCE_SCATTER]),
+        pycoll.allgather(mine, counts=counts, algorithm=family[Collective.ALLGATHER]),
+        pycoll.broadcast(flat.copy(), root=nranks - 1, algorithm=family[Collective.BROADCAST]),
+        pycoll.reduce(flat, op, root=nranks // 2, algorithm=family[Collective.REDUCE]),
+        pycoll.alltoall(flat),
+        pycoll.alltoallv(mine, _split(counts[rank], nranks, rank)),
+    ]
+
+
+def _split(total: int, nranks: int, rank: int) -> list[int]:
+    """``total`` rows over ``nranks`` destinations, unevenly (some get none)."""
+    counts = [0] * nranks
+    for i in range(total):
+        counts[(i * (rank + 2)) % nranks] += 1
+    return counts
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 5])
+@pytest.mark.parametrize("count", [0, 1, 7])
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "tree", "halving_doubling", "direct"])
+def test_right_results_pass_on_integer_inputs(transport, nranks, count, algorithm):
+    done = pycoll.run_local(nranks, lambda: every_collective(
+        pycoll.world().rank, nranks, count, np.int32, "sum", algorithm))
+    inputs = [exact_input(r, count * nranks, np.dtype(np.int32), "sum") for r in range(nranks)]
+    for rank, results in enumerate(done):  # and the results are the collectives' own
+        assert np.array_equal(results[0], oracle.allreduce(inputs, "sum"))
+        assert np.array_equal(results[6], oracle.alltoall(inputs)[rank])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.float64,
+                                   np.complex64])
+@pytest.mark.parametrize("op", ["sum", "avg", "prod"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling", "direct",
+                                       "two_shot"])
+def test_floats_combined_in_any_order_pass(dtype, op, algorithm):
+    """Random, non-integer floats: each algorithm rounds in its own order, and the rounding
+    it may do is allowed (the oracle combines in rank order)."""
+    nranks, count = 7, 300
+
+    def body():
+        rank = pycoll.world().rank
+        rng = np.random.default_rng(rank)
+        values = rng.normal(size=count * nranks) * (1 if op != "prod" else 0.5) + (
+            1.0 if op == "prod" else 0.0)
+        x = values.astype(np.float64)
+        if np.dtype(dtype).kind == "c":
+            x = x + 1j * rng.normal(size=x.size)
+        x = x.astype(dtype)
+        collectives = [(pycoll.allreduce, FAMILIES[Collective.ALLREDUCE] + ["two_shot"]),
+                       (pycoll.reduce_scatter, FAMILIES[Collective.REDUCE_SCATTER]),
+                       (pycoll.reduce, FAMILIES[Collective.REDUCE])]
+        for collective, families in collectives:
+            if algorithm in families:
+                collective(x, op, algorithm=algorithm)
+        return True
+
+    assert pycoll.run_local(nranks, body) == [True] * nranks
+
+
+def corrupt_after_run(monkeypatch, bad_rank: int, first: int | None = None, times: int = 1):
+    """The executor's next ``times`` runs on ``bad_rank`` leave WORK wrong in its lowest bit
+    (one ulp of a float, one of an integer), in every element or in element ``first``;
+    later runs (the check's own exchanges) are left alone."""
+    real_run = api.run
+    left = {"runs": times}
+
+    def run(program, source, target, *args, **kwargs):
+        real_run(program, source, target, *args, **kwargs)
+        if pycoll.world().rank == bad_rank and left["runs"] > 0:
+            left["runs"] -= 1
+            flat = target.reshape(-1)
+            lowest_bytes = flat.view(np.uint8).reshape(flat.size, flat.itemsize)[:, 0]
+            lowest_bytes[slice(None) if first is None else slice(first, first + 1)] ^= 1
+
+    monkeypatch.setattr(api, "run", run)
+
+
+def errors_on_every_rank(nranks: int, fn) -> list[str]:
+    def body():
+        try:
+            fn(pycoll.world().rank)
+        except pycoll.VerificationError as error:
+            return str(error)
+        return "no error"
+
+    return pycoll.run_local(nranks, body)
+
+
+def test_one_wrong_element_is_named_on_every_rank(monkeypatch):
+    corrupt_after_run(monkeypatch, bad_rank=1, first=3)
+    said = errors_on_every_rank(3, lambda rank: pycoll.allreduce(
+        np.arange(10, dtype=np.int64) * (rank + 1), algorithm="ring"))
+    for rank, text in enumerate(said):
+        assert text.startswith("allreduce (op=sum, int64, algorithm='ring', 3 ranks): the "
+                               "result differs from the numpy oracle: rank 1: 1 of 10 elements "
+                               "differ, the first at index 3"), text
+        assert ("here (rank 1): index 3: got 19, expected 18" in text) == (rank == 1), text
+
+
+@pytest.mark.parametrize("name", ["allreduce", "reduce_scatter", "allgather", "broadcast",
+                                  "reduce", "alltoall"])
+def test_a_wrong_result_of_any_collective_raises_everywhere(monkeypatch, name):
+    corrupt_after_run(monkeypatch, bad_rank=1)
+    calls = {
+        "allreduce": lambda x: pycoll.allreduce(x),
+        "reduce_scatter": lambda x: pycoll.reduce_scatter(x),
+        "allgather": lambda x: pycoll.allgather(x),
+        "broadcast": lambda x: pycoll.broadcast(x, root=0),
+        "reduce": lambda x: pycoll.reduce(x, root=1),
+        "alltoall": lambda x: pycoll.alltoall(x),
+    }
+    said = errors_on_every_rank(3, lambda rank: calls[name](
+        np.arange(6, dtype=np.int32) + 10 * rank))
+    assert all(text.startswith(f"{name} (") and "rank 1: " in text for text in said), said
+    assert all("rank 0:" not in text and "rank 2:" not in text for text in said), said
+
+
+def test_floats_wrong_by_more_than_rounding_allows_are_caught(monkeypatch):
+    """One ulp off in a sum of 3 exact values is inside what rounding allows (and passes);
+    the same ulp in a copy (AllGather) is not."""
+    corrupt_after_run(monkeypatch, bad_rank=2, first=0)
+    said = errors_on_every_rank(3, lambda rank: pycoll.allreduce(
+        np.full(4, 1.5, np.float32), algorithm="ring"))
+    assert said == ["no error"] * 3
+    corrupt_after_run(monkeypatch, bad_rank=2, first=0)
+    said = errors_on_every_rank(3, lambda rank: pycoll.allgather(
+        np.full(4, 1.5, np.float32), algorithm="ring"))
+    assert all("rank 2: 1 of 12 elements differ, the first at index 0" in t for t in said), said
+
+
+def test_a_sum_far_off_is_caught_with_what_rounding_allows(monkeypatch):
+    real_run = api.run
+
+    def run(program, source, target, *args, **kwargs):
+        real_run(program, source, target, *args, **kwargs)
+        if pycoll.world().rank == 0 and not getattr(run, "done", False):
+            run.done = True
+            target.reshape(-1)[1] += 0.25
+
+    monkeypatch.setattr(api, "run", run)
+    said = errors_on_every_rank(2, lambda rank: pycoll.allreduce(
+        np.array([1.0, 2.0, 3.0], np.float64), algorithm="tree"))
+    assert "here (rank 0): index 1: got 4.25, expected 4.0 (rounding allows 1.78e-15)" in (
+        said[0]), said[0]
+
+
+def test_async_calls_are_verified_at_wait(monkeypatch):
+    corrupt_after_run(monkeypatch, bad_rank=0, first=0)
+    said = errors_on_every_rank(2, lambda rank: pycoll.allreduce(
+        np.arange(5), algorithm="ring", async_op=True).wait())
+    assert all("rank 0: 1 of 5 elements differ" in t for t in said), said
+
+
+def test_verification_is_per_communicator_and_checked(monkeypatch):
+    monkeypatch.setenv("PYCOLL_VERIFY", "0")
+    corrupt_after_run(monkeypatch, bad_rank=1, first=0, times=2)
+
+    def body():
+        comm = pycoll.world()
+        assert comm.verify is False
+        unchecked = pycoll.allreduce(np.arange(3), algorithm="ring")  # wrong on rank 1
+        with pytest.raises(TypeError, match=r"verify=1 is invalid; allowed: True or False"):
+            comm.verify = 1
+        comm.verify = True
+        try:
+            pycoll.allreduce(np.arange(3), algorithm="ring")
+        except pycoll.VerificationError as error:
+            return unchecked.tolist(), str(error).split(": the result")[0]
+        return unchecked.tolist(), "no error"
+
+    said = "allreduce (op=sum, int64, algorithm='ring', 2 ranks)"
+    assert pycoll.run_local(2, body) == [([0, 2, 4], said), ([1, 2, 4], said)]
+
+
+def test_a_bad_setting_is_named(monkeypatch):
+    monkeypatch.setenv("PYCOLL_VERIFY", "yes")
+    with pytest.raises(ValueError, match=r"PYCOLL_VERIFY='yes' is invalid; allowed: 0 or 1"):
+        pycoll.run_local(1, lambda: None)
+
+
+def test_bad_arguments_still_get_the_call_s_own_error():
+    def body():
+        with pytest.raises(ValueError, match="root=5 is not a rank"):
+            pycoll.broadcast(np.zeros(3), root=5)
+        with pytest.raises(TypeError, match="comm="):
+            pycoll.allreduce(np.zeros(3), comm="world")
+        return pycoll.allreduce(np.ones(2))
+
+    assert [r.tolist() for r in pycoll.run_local(2, body)] == [[2.0, 2.0]] * 2
+
+
+def test_device_arrays_are_verified_on_the_host(monkeypatch):
+    """On the stand-in device (lazy streams in random order): the snapshot and the result are
+    read after the call's stream work, on its stream."""
+    fake = FakeDevice(seed=3)
+    spaces.register(fake)
+    try:
+        def body():
+            rank = pycoll.world().rank
+            x = device_array(np.arange(9, dtype=np.float32) + rank)
+            total = pycoll.allreduce(x, algorithm="ring")
+            y = device_array(np.arange(9, dtype=np.int16) * (rank + 1))
+            pycoll.broadcast(y, root=2)
+            fake.synchronize()
+            return host_array(total), host_array(y)
+
+        done = pycoll.run_local(3, body)
+        inputs = [np.arange(9, dtype=np.float32) + r for r in range(3)]
+        for total, y in done:
+            assert np.array_equal(total, oracle.allreduce(inputs, "sum"))
+            assert np.array_equal(y, np.arange(9, dtype=np.int16) * 3)
+    finally:
+        spaces.unregister(fake)
+
+
+def test_off_by_default_and_nothing_checked_then(monkeypatch):
+    monkeypatch.delenv("PYCOLL_VERIFY")
+    called = []
+    monkeypatch.setattr(verify, "_verify", lambda *a: called.append(a))
+    monkeypatch.setattr(verify, "active", False)
+    pycoll.run_local(2, lambda: pycoll.allreduce(np.ones(3)))
+    assert called == [] and verify.active is False
+    monkeypatch.setattr(verify, "active", True)  # another communicator verifies; these do not
+    assert pycoll.run_local(2, lambda: pycoll.world().verify) == [False, False]
+    pycoll.run_local(2, lambda: pycoll.allreduce(np.ones(3)))
+    assert called == []
+
+
+def test_a_blocking_call_after_async_ones_is_verified_too(monkeypatch):
+    """The blocking call waits for the async ones queued before it, and is checked itself
+    (not mistaken for a call inside the worker's verification)."""
+    checked = []
+    real_check = verify._check
+    monkeypatch.setattr(verify, "_check", lambda name, comm, *rest: (
+        checked.append((comm.rank, name)), real_check(name, comm, *rest)))
+    real_run = api.run
+    slow = set()
+
+    def run(*args, **kwargs):
+        if pycoll.world().rank not in slow:  # the async call's run: the worker is busy
+            slow.add(pycoll.world().rank)
+            time.sleep(0.2)
+        real_run(*args, **kwargs)
+
+    monkeypatch.setattr(api, "run", run)
+
+    def body():
+        queued = pycoll.allreduce(np.arange(4), algorithm="ring", async_op=True)
+        time.sleep(0.05)  # the worker is inside the async call now
+        pycoll.allgather(np.arange(2), algorithm="ring")
+        queued.wait()
+
+    pycoll.run_local(2, body)
+    assert sorted(checked) == [(0, "allgather"), (0, "allreduce"), (1, "allgather"),
+                               (1, "allreduce")]
