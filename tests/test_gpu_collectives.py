@@ -179,3 +179,26 @@ def test_complex_cupy_arrays_reduce_as_float_pairs(op):
 
     for got in _on_gpu(3, call):
         np.testing.assert_array_equal(got, oracle.allreduce(inputs, op))
+
+
+@needs_gpu
+def test_verification_reads_device_results_on_their_stream(monkeypatch):
+    """PYCOLL_VERIFY=1 on CuPy arrays: the input is copied to the host before the call and the
+    result after it, on the call's stream; right results pass (float sums in ring order)."""
+    import cupy
+    import numpy as np
+
+    monkeypatch.setenv("PYCOLL_VERIFY", "1")
+    inputs = [np.random.default_rng(r).normal(size=100_003).astype(np.float32)
+              for r in range(3)]
+
+    def call(rank, stream):
+        with stream:
+            x = cupy.asarray(inputs[rank])
+        total = pycoll.allreduce(x, algorithm="ring", stream=stream)
+        pycoll.broadcast(x, root=2, stream=stream)
+        return pycoll.allgather(total[:10], stream=stream)
+
+    want = np.tile(oracle.allreduce(inputs, "sum")[:10], 3)
+    for got in _on_gpu(3, call):  # each call above raised nothing: verified
+        np.testing.assert_allclose(got, want, rtol=1e-5)
