@@ -4,8 +4,8 @@
   in the same run (bytes read plus written; `pycoll bench kernels`), and the fused pair
   reduction (dst = a op b, the same work as `cupy.add(a, b, out=c)`) is at least as fast as
   CuPy's add;
-* every multi-rank collective over CUDA IPC has #wrong = 0 (not shown while a run stopped
-  before its end: its exit status is read from collectives.txt);
+* every multi-rank collective over CUDA IPC has #wrong = 0 (not shown while a run did not
+  finish: its exit status is read from collectives.txt);
 
 plus the ring AllReduce with and without forwarding (PYCOLL_FORWARD=0),
 and which kernel backend was faster (what `kernels/device.py`'s DEFAULT_BACKEND should be).
@@ -133,8 +133,9 @@ def collective_section(folder: Path) -> list[str]:
         lines.append(f"| {label} | {rows[0]['nranks']} | {len(rows)} | {wrong} | "
                      f"{sizes} | {best} | {said} |")
     if total_wrong == 0 and unfinished:
-        verdict = (f"not shown: {len(unfinished)} run(s) stopped before the end "
-                   f"({', '.join(unfinished)}; exit 124 is gpu_check.sh's time limit)")
+        said = ", ".join(f"{name}: exit {exits[name]}" for name in unfinished)
+        verdict = (f"not shown: {len(unfinished)} run(s) did not finish ({said}; exit 124 is "
+                   "gpu_check.sh's time limit, 2 a refusal such as no GPU)")
     else:
         verdict = _verdict(total_wrong == 0)
     lines += ["", f"Bar, every multi-rank IPC collective #wrong = 0: {verdict}"

@@ -150,8 +150,9 @@ def test_a_collective_run_stopped_by_the_time_limit_keeps_the_bar_from_being_met
     assert "| allreduce | 2 | 1 | 0 | 1 MiB .. 1 MiB | ring (116.5 GB/s busbw) | 0 |" in page
     assert "| allgather | 4 | 1 | 0 | 1 MiB .. 1 MiB | ring (116.5 GB/s busbw) | 124 |" in page
     assert "| allreduce (PYCOLL_FORWARD=0) | 4 | 0 | - | - | - | 124 |" in page
-    assert ("#wrong = 0: not shown: 2 run(s) stopped before the end (allgather-4, "
-            "unforwarded-allreduce-4; exit 124 is gpu_check.sh's time limit)") in page
+    assert ("#wrong = 0: not shown: 2 run(s) did not finish (allgather-4: exit 124, "
+            "unforwarded-allreduce-4: exit 124; exit 124 is gpu_check.sh's time limit, 2 a "
+            "refusal such as no GPU)") in page
     (tmp_path / "collectives.txt").write_text(
         "# allreduce on 2 ranks: exit 0\n# allgather on 4 ranks: exit 0\n")
     assert "#wrong = 0: met (0 wrong values in all)" in summarize_gpu.main(str(tmp_path))
