@@ -4,10 +4,11 @@ The seed's contract is that all members of a collective agree on the group, the 
 reduction, the data type and the layout, and call collectives in the same order. A rank that
 breaks it gets, from most libraries, a wrong result or a hang that names nobody. With the
 check on (``PYCOLL_CHECK=1``, or ``comm.check = True``), each collective first exchanges a
-short signature (collective, algorithm, op, dtype, count, counts, root, sequence number) with
-a direct AllGather, and every rank raises the same :class:`CollectiveMismatch`, naming the
-fields that differ and which ranks hold which value. A rank that skipped a collective shows
-up as a difference in the sequence number (or the collective), not as a hang.
+short signature (collective, algorithm, op, dtype, count, counts, root, sequence number, and
+whether the result is verified: PYCOLL_VERIFY) with a direct AllGather, and every rank
+raises the same :class:`CollectiveMismatch`, naming the fields that differ and which ranks
+hold which value. A rank that skipped a collective shows up as a difference in the sequence
+number (or the collective), not as a hang.
 
 The cost is one small AllGather per collective (measured in docs/reliability.md).
 """
@@ -37,13 +38,14 @@ def enabled_by_default() -> bool:
 
 
 FIELDS = ("collective", "algorithm", "op", "dtype", "memory", "count", "counts", "root",
-          "sequence")
+          "sequence", "verify")
 _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
 def signature(
     collective: str, algorithm: str, op: str | None, dtype: np.dtype, count: int | None,
     counts: tuple[int, ...] | None, root: int | None, sequence: int, memory: str = "host",
+    verify: bool = False,
 ) -> tuple:
     """What every rank must agree on, in the order of :data:`FIELDS`; None for what does not
     apply (or may differ)."""
@@ -53,7 +55,7 @@ def signature(
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)
-    return (collective, algorithm, op, name, memory, count, counts, root, sequence)
+    return (collective, algorithm, op, name, memory, count, counts, root, sequence, verify)
 
 
 def agree(comm: Any, values: tuple) -> None:

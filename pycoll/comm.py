@@ -137,6 +137,7 @@ class Communicator:
     def verify(self, on: bool) -> None:
         if not isinstance(on, bool):
             raise TypeError(f"verify={on!r} is invalid; allowed: True or False")
+        self.drain()  # the async calls queued before run as they were asked: alike everywhere
         if on:
             verification.turn_on()
         self._verify = on

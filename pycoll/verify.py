@@ -2,18 +2,24 @@
 
 With ``PYCOLL_VERIFY=1`` (or ``comm.verify = True`` on every rank), every collective of that
 communicator is checked after it returns: each rank copies its input to the host before the
-call and its result after, the inputs travel to every rank by a direct AllGather over host
-memory (so a device collective is checked over a path it does not use), every rank compares
-its own result with what :mod:`pycoll.oracle` computes from all the inputs, and the ranks
-exchange verdicts, so a wrong result anywhere raises the same :class:`VerificationError` on
-every rank (none is left waiting), naming the ranks, how many elements differ and the first.
+call and its result after; the inputs travel to every rank as raw bytes, posted straight on
+the host transport (no schedule, executor or reduction of pycoll's in between, so a bug there
+cannot copy itself into the check); every rank compares its own result with what
+:mod:`pycoll.oracle` computes from all the inputs, and that it left its input alone where the
+call was not in place; and the ranks exchange verdicts, so a wrong result anywhere raises the
+same :class:`VerificationError` on every rank (none is left waiting), naming the ranks, how
+many elements differ and the first.
 
 Integers, min and max, and every collective that only moves data must match exactly (copies
 bit for bit). Sums, averages and products of floats may differ from the oracle, which
-combines in rank order, by the rounding another order allows: at most 2γₙ·Σ|xᵣ| for a sum
-(γₙ = n·u/(1 − n·u), u the unit roundoff of the dtype, n the rank count), that over n plus
-two roundings of the quotient for an average, and 2γ₃ₙ·Π|xᵣ| for a product, per element;
-where a partial sum or product could overflow or underflow in some order, anything passes.
+combines in rank order, by the rounding another order allows, per element: 2γₙ·Σ|xᵣ| for a sum
+(γₙ = n·u/(1 − n·u), u the unit roundoff of the dtype, n the rank count), that over n plus two
+roundings of the quotient for an average, 2γ₃ₙ·Π|xᵣ| for a product, plus n of the dtype's
+smallest subnormal (times the product of the factors above 1, for a product: gradual
+underflow). Where a partial sum or product could overflow in some order (the sum of the
+positive or of the negative terms, or the product of the factors above 1, past the dtype's
+largest value), an infinite or NaN result passes too, and a finite one is measured against
+the exact value, not the oracle's (which may itself have overflowed).
 
 Debugging only: every rank receives every rank's input (n times the input's memory) and the
 check costs far more than the collective. Send and Recv are not verified: a receiver cannot
@@ -34,11 +40,12 @@ import numpy as np
 from pycoll import oracle
 from pycoll.kernels import ReduceOp
 
-# Set once any communicator verifies: until then a collective pays one global read for this.
+# Set once any communicator verifies; until then a collective reads only this.
 active = False
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _REDUCING = ("allreduce", "reduce_scatter", "reduce")
-_OK, _WRONG, _FAILED = 0, 1, 2  # a rank's verdict
+_OK, _WRONG, _FAILED, _WROTE_INPUT = 0, 1, 2, 3  # a rank's verdict
+_COUNTS = ("counts", "send_counts", "recv_counts")
 
 
 class VerificationError(RuntimeError):
@@ -47,67 +54,83 @@ class VerificationError(RuntimeError):
 
 def enabled_by_default() -> bool:
     """``PYCOLL_VERIFY`` (0 or 1), read when a communicator is made."""
-    global active
     text = os.environ.get("PYCOLL_VERIFY", "0").strip() or "0"
     if text not in ("0", "1"):
         raise ValueError(f"PYCOLL_VERIFY={text!r} is invalid; allowed: 0 or 1")
-    active = active or text == "1"
+    if text == "1":
+        turn_on()
     return text == "1"
 
 
 def turn_on() -> None:
-    """Some communicator verifies from now on (``comm.verify = True``)."""
+    """Some communicator verifies from now on."""
     global active
     active = True
 
 
 def verified(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The public collective ``name``, checked against the oracle where its communicator
-    verifies; otherwise called as it is."""
+    """The public collective ``name`` (``comm`` and ``async_op`` keyword-only), checked
+    against the oracle where its communicator verifies; otherwise called as it is."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(fn)
 
         @functools.wraps(fn)
         def collective(*args: Any, **kwargs: Any) -> Any:
-            if not active:
+            if not active or kwargs.get("async_op"):  # async: the worker calls this again
                 return fn(*args, **kwargs)
-            call = signature.bind(*args, **kwargs)
-            call.apply_defaults()
-            arguments = call.arguments
-            comm = _communicator(arguments["comm"])
-            if arguments["async_op"] or comm is None:
-                return fn(*args, **kwargs)  # async: the worker calls this again, blocking
-            comm.drain()  # async calls queued before may be verifying on the worker
-            if not comm.verify or comm.verifying or comm.agreeing:
+            comm = _communicator(kwargs.get("comm"))
+            if comm is None or not comm.verify:
                 return fn(*args, **kwargs)
-            return _verify(fn, name, comm, arguments, args, kwargs)
+            comm.drain()  # async calls queued before may be inside their own verification
+            if comm.verifying or comm.agreeing:  # inside a verified call, or the agreement
+                return fn(*args, **kwargs)
+            return _verify(fn, name, comm, signature, args, kwargs)
 
         return collective
 
     return wrap
 
 
+@functools.cache
+def _comm_module() -> Any:
+    from pycoll import comm  # not at import: pycoll.comm imports this module
+
+    return comm
+
+
 def _communicator(comm: Any) -> Any:
-    from pycoll.comm import Communicator, world
-
+    module = _comm_module()
     if comm is None:
-        return world()
-    return comm if isinstance(comm, Communicator) else None  # the call says what is wrong
+        return module.world()
+    return comm if isinstance(comm, module.Communicator) else None  # the call names it
 
 
-def _verify(fn: Callable[..., Any], name: str, comm: Any, arguments: dict, args: tuple,
-            kwargs: dict) -> Any:
+def _verify(fn: Callable[..., Any], name: str, comm: Any, signature: inspect.Signature,
+            args: tuple, kwargs: dict) -> Any:
     from pycoll.spaces import space_of
 
+    try:
+        call = signature.bind(*args, **kwargs)
+    except TypeError:
+        return fn(*args, **kwargs)  # the call's own error
+    call.apply_defaults()
+    arguments = call.arguments
+    for key in _COUNTS:  # an iterator would be used up by the call: read it once, here
+        counts = arguments.get(key)
+        if counts is not None and not isinstance(counts, list | tuple | np.ndarray):
+            try:
+                arguments[key] = list(counts)
+            except TypeError:
+                return fn(*args, **kwargs)  # not counts at all: the call names it
     x, stream = arguments["x"], arguments.get("stream")
     space = space_of(x)
     if space is None:
         return fn(*args, **kwargs)  # not an array: the call names it
     before = _to_host(space, x, stream)  # before the call: it may write x (in place)
-    comm.verifying = True  # what the call and the check run inside is not verified itself
+    comm.verifying = True  # calls made inside the call are not verified themselves
     try:
-        result = fn(*args, **kwargs)
+        result = fn(*call.args, **call.kwargs)
         _check(name, comm, arguments, before, result, space, stream)
     finally:
         comm.verifying = False
@@ -126,38 +149,58 @@ def _to_host(space: Any, x: Any, stream: Any) -> np.ndarray:
 
 def _check(name: str, comm: Any, arguments: dict, mine: np.ndarray, result: Any, space: Any,
            stream: Any) -> None:
-    from pycoll.api import allgather
-
-    inputs = _gather(comm, mine)
+    sizes = [int(s[0]) for s in _exchange(comm, name, np.array([mine.size], np.int64))]
+    inputs = _exchange(comm, name, mine, sizes)
     send_counts = None
     if name == "alltoallv":  # every rank's, in elements
         row = mine.size // max(len(arguments["x"]), 1)
-        counts = np.array(arguments["send_counts"], np.int64) * row
-        table = allgather(counts, comm=comm, algorithm="direct")
-        send_counts = table.reshape(comm.size, comm.size).tolist()
-    verdict, local = _FAILED, ""
+        counts = np.array([int(c) * row for c in arguments["send_counts"]], np.int64)
+        send_counts = [c.tolist() for c in _exchange(comm, name, counts)]
+    verdict, local, wrong, first = _FAILED, "", 0, -1
     try:
         verdict, local, wrong, first = _compare(name, comm, arguments, inputs, send_counts,
                                                 result, space, stream)
+        if verdict == _OK and not _in_place(name, arguments["x"], result, space):
+            after = _to_host(space, arguments["x"], stream)
+            changed, _ = _differs(after, mine, None, None, comm.size)
+            if changed.any():
+                verdict, wrong, first = _WROTE_INPUT, int(changed.sum()), int(np.argmax(changed))
+                local = (f"the call changed its input x (not given in place): index {first} "
+                         f"was {mine[first].item()!r}, is {after[first].item()!r}")
     except Exception as error:  # said on every rank: no rank may skip the verdicts' exchange
-        local, wrong, first = f"{type(error).__name__}: {error}", 0, -1
+        local = f"{type(error).__name__}: {error}"
     size = 0 if result is None else int(result.size)
-    verdicts = allgather(np.array([verdict, wrong, first, size], np.int64), comm=comm,
-                         algorithm="direct").reshape(comm.size, 4)
+    verdicts = np.stack(_exchange(comm, name, np.array([verdict, wrong, first, size], np.int64)))
     if (verdicts[:, 0] == _OK).all():
         return
     raise VerificationError(_describe(name, comm, arguments, mine.dtype, verdicts, local))
 
 
-def _gather(comm: Any, mine: np.ndarray) -> list[np.ndarray]:
-    """Every rank's input (flat, on the host), by direct AllGathers."""
-    from pycoll.api import allgather
+def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = None
+              ) -> list[np.ndarray]:
+    """Every rank's ``mine`` (flat; ``sizes``: each rank's element count, when they differ),
+    in rank order: raw bytes posted straight on the host transport, with a tag of their own."""
+    from pycoll.api import _timed_out
+    from pycoll.bindings.transport import WaitTimeout
 
-    sizes = allgather(np.array([mine.size], np.int64), comm=comm, algorithm="direct")
-    counts = [int(s) for s in sizes]
-    everything = allgather(mine, counts=counts, comm=comm, algorithm="direct")
-    starts = np.cumsum([0, *counts])
-    return [everything[starts[r] : starts[r + 1]] for r in range(comm.size)]
+    if sizes is None:
+        sizes = [mine.size] * comm.size
+    transport, tag = comm.host_transport(), comm.next_tag()
+    raw = mine.view(np.uint8)
+    got = [raw if r == comm.rank else np.empty(sizes[r] * mine.itemsize, np.uint8)
+           for r in range(comm.size)]
+    others = [r for r in range(comm.size) if r != comm.rank]
+    try:
+        requests = [transport.irecv(got[r], r, tag) for r in others if got[r].size]
+        requests += [transport.isend(raw, r, tag) for r in others if raw.size]
+        transport.waitall(requests)
+    except WaitTimeout as late:
+        raise _timed_out(comm, f"{name} (verification)", late) from None
+    return [g.view(mine.dtype) for g in got]
+
+
+def _in_place(name: str, x: Any, result: Any, space: Any) -> bool:
+    return name == "broadcast" or (result is not None and space.may_share_memory(result, x))
 
 
 def _compare(name: str, comm: Any, arguments: dict, inputs: list[np.ndarray],
@@ -167,22 +210,20 @@ def _compare(name: str, comm: Any, arguments: dict, inputs: list[np.ndarray],
     rank, n = comm.rank, comm.size
     op = arguments.get("op")
     op = None if op is None else ReduceOp.parse(op).value  # the call accepted it
+    x = arguments["x"]
     parts: list[np.ndarray] | None = None  # each rank's contribution to each element
-    if name == "allreduce":
+    if name == "reduce" and rank != arguments["root"]:
+        if result is not None:
+            return _WRONG, f"rank {rank} is not the root but got {type(result).__name__}", 0, -1
+        return _OK, "", 0, -1
+    if name in ("allreduce", "reduce"):
         expected, parts = oracle.allreduce(inputs, op), inputs
-    elif name == "reduce":
-        if rank != arguments["root"]:
-            if result is not None:
-                return _WRONG, f"rank {rank} is not the root but got {type(result).__name__}", 0, -1
-            return _OK, "", 0, -1
-        expected, parts = oracle.reduce(inputs, op, arguments["root"]), inputs
     elif name == "reduce_scatter":
-        x = arguments["x"]
         row = inputs[rank].size // max(len(x), 1)
-        counts = arguments["counts"] or [len(x) // n] * n
-        starts = np.cumsum([0, *(int(c) * row for c in counts)])
-        lo, hi = starts[rank], starts[rank + 1]
-        parts = [inp[lo:hi] for inp in inputs]
+        counts = arguments["counts"]
+        counts = [len(x) // n] * n if counts is None else [int(c) for c in counts]
+        starts = np.cumsum([0, *(c * row for c in counts)])
+        parts = [part[starts[rank] : starts[rank + 1]] for part in inputs]
         expected = oracle.allreduce(parts, op)
     elif name == "allgather":
         expected = oracle.allgather(inputs)
@@ -194,6 +235,9 @@ def _compare(name: str, comm: Any, arguments: dict, inputs: list[np.ndarray],
         expected = oracle.alltoallv(inputs, send_counts)[rank]
     else:
         raise ValueError(f"no oracle for {name}")
+    if result.dtype != x.dtype or result.shape[1:] != x.shape[1:]:
+        return (_WRONG, f"the result is {result.dtype}{list(result.shape)} for an input of "
+                f"{x.dtype}{list(x.shape)}", int(result.size), 0)
     got = _to_host(space, result, stream)
     if got.size != expected.size:
         return _WRONG, f"{got.size} elements where the oracle has {expected.size}", got.size, 0
@@ -224,32 +268,37 @@ def _differs(got: np.ndarray, expected: np.ndarray, parts: list[np.ndarray] | No
             same |= np.isnan(got.astype(np.float64)) & np.isnan(expected.astype(np.float64))
         return ~same, None
     info = ml_dtypes.finfo(dtype) if dtype == _BFLOAT16 else np.finfo(dtype)
-    unit, largest = float(info.eps) / 2, float(info.max)
+    unit, largest, subnormal = float(info.eps) / 2, float(info.max), float(info.smallest_subnormal)
     wide = np.complex128 if dtype.kind == "c" else np.float64
     g, e = got.astype(wide), expected.astype(wide)
-    with np.errstate(invalid="ignore", over="ignore", under="ignore", divide="ignore"):
-        sizes = [np.abs(p.astype(wide)) for p in parts]
+    values = [p.astype(wide) for p in parts]
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
         if op == "prod":
-            product = functools.reduce(np.multiply, sizes, np.ones(got.size))
-            allowed = 2 * _gamma(3 * nranks, unit) * product
-            # A partial product in some order may overflow or underflow: any result goes.
-            grows = functools.reduce(np.multiply, [np.maximum(s, 1) for s in sizes],
-                                     np.ones(got.size))
-            shrinks = functools.reduce(np.multiply, [np.minimum(s, 1) for s in sizes],
-                                       np.ones(got.size))
-            out_of_range = (grows > largest) | (shrinks < float(info.tiny))
+            sizes = [np.abs(v) for v in values]
+            exact = functools.reduce(np.multiply, values)
+            grows = functools.reduce(np.multiply, [np.maximum(s, 1) for s in sizes])
+            allowed = (2 * _gamma(3 * nranks, unit) * functools.reduce(np.multiply, sizes)
+                       + nranks * subnormal * grows)
+            may_overflow = grows > largest
         else:
-            if dtype.kind == "c":
-                sizes = [np.abs(p.real.astype(np.float64)) + np.abs(p.imag.astype(np.float64))
-                         for p in parts]
-            total = functools.reduce(np.add, sizes, np.zeros(got.size))
+            components = [v.real for v in values] + ([v.imag for v in values]
+                                                     if dtype.kind == "c" else [])
+            exact = functools.reduce(np.add, values)
+            total = functools.reduce(np.add, [np.abs(c) for c in components])
             allowed = 2 * _gamma(nranks, unit) * total
+            # a partial sum in some order reaches the positive terms' sum, or the negatives'
+            reach = [functools.reduce(np.add, [np.maximum(sign * c, 0) for c in part])
+                     for part in ([v.real for v in values], [v.imag for v in values])
+                     for sign in (1, -1)]
+            may_overflow = functools.reduce(np.maximum, reach) * (1 + _gamma(nranks, unit)) > (
+                largest)
             if op == "avg":
-                allowed = allowed / nranks + 2 * unit * np.abs(e)
-            out_of_range = total > largest  # a partial sum in some order may overflow
-        allowed = allowed + nranks * float(info.smallest_subnormal)
-        close = ((np.abs(g - e) <= allowed) | (g == e) | (np.isnan(g) & np.isnan(e))
-                 | out_of_range)
+                exact = exact / nranks
+                allowed = allowed / nranks + 2 * unit * np.abs(exact)
+            allowed = allowed + nranks * subnormal
+        close = (np.abs(g - e) <= allowed) | (g == e) | (np.isnan(g) & np.isnan(e))
+        # where some order overflows: inf or NaN, or (the oracle's may have) the exact value
+        close |= may_overflow & (~np.isfinite(g) | (np.abs(g - exact) <= allowed))
     return ~close, allowed
 
 
@@ -259,17 +308,25 @@ def _gamma(k: int, unit: float) -> float:
 
 def _describe(name: str, comm: Any, arguments: dict, dtype: np.dtype, verdicts: np.ndarray,
               local: str) -> str:
-    op = arguments.get("op")
-    details = [f"op={ReduceOp.parse(op).value}"] if op is not None else []
+    details = []
+    if arguments.get("op") is not None:
+        details.append(f"op={ReduceOp.parse(arguments['op']).value}")
     if "root" in arguments:
         details.append(f"root={arguments['root']}")
-    details += [dtype.name, f"algorithm={arguments.get('algorithm', 'direct')!r}",
-                f"{comm.size} ranks"]
+    details.append(dtype.name)
+    if "algorithm" in arguments:
+        details.append(f"algorithm={arguments['algorithm']!r}")
+    details.append(f"{comm.size} ranks")
     wrong = [f"rank {r}: {v[1]} of {v[3]} elements differ, the first at index {v[2]}"
-             for r, v in enumerate(verdicts) if v[0] == _WRONG]
+             if v[0] == _WRONG else
+             f"rank {r} changed {v[1]} elements of its input x, the first at index {v[2]}"
+             for r, v in enumerate(verdicts) if v[0] in (_WRONG, _WROTE_INPUT)]
     failed = [str(r) for r, v in enumerate(verdicts) if v[0] == _FAILED]
-    if failed:
-        wrong.append(f"rank(s) {', '.join(failed)} could not verify")
-    here = f" | here (rank {comm.rank}): {local}" if local else ""
-    return (f"{name} ({', '.join(details)}): the result differs from the numpy oracle: "
-            + "; ".join(wrong) + here)
+    head = f"{name} ({', '.join(details)}): "
+    if wrong:
+        head += "the result differs from the numpy oracle: " + "; ".join(wrong)
+        if failed:
+            head += f"; rank(s) {', '.join(failed)} could not verify"
+    else:
+        head += f"the result could not be verified on rank(s) {', '.join(failed)}"
+    return head + (f" | here (rank {comm.rank}): {local}" if local else "")

@@ -107,16 +107,18 @@ def test_floats_combined_in_any_order_pass(dtype, op, algorithm):
     assert pycoll.run_local(nranks, body) == [True] * nranks
 
 
-def corrupt_after_run(monkeypatch, bad_rank: int, first: int | None = None, times: int = 1):
-    """The executor's next ``times`` runs on ``bad_rank`` leave WORK wrong in its lowest bit
-    (one ulp of a float, one of an integer), in every element or in element ``first``;
-    later runs (the check's own exchanges) are left alone."""
+def corrupt_after_run(monkeypatch, bad_rank: int, first: int | None = None, times: int = 1,
+                      dtype=None):
+    """The executor's next ``times`` runs on ``bad_rank`` (of ``dtype`` arrays, if given)
+    leave WORK wrong in its lowest bit (one ulp of a float, one of an integer), in every
+    element or in element ``first``; later runs are left alone."""
     real_run = api.run
     left = {"runs": times}
 
     def run(program, source, target, *args, **kwargs):
         real_run(program, source, target, *args, **kwargs)
-        if pycoll.world().rank == bad_rank and left["runs"] > 0:
+        if (pycoll.world().rank == bad_rank and left["runs"] > 0
+                and dtype in (None, target.dtype)):
             left["runs"] -= 1
             flat = target.reshape(-1)
             lowest_bytes = flat.view(np.uint8).reshape(flat.size, flat.itemsize)[:, 0]
@@ -148,9 +150,9 @@ def test_one_wrong_element_is_named_on_every_rank(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["allreduce", "reduce_scatter", "allgather", "broadcast",
-                                  "reduce", "alltoall"])
+                                  "reduce", "alltoall", "alltoallv"])
 def test_a_wrong_result_of_any_collective_raises_everywhere(monkeypatch, name):
-    corrupt_after_run(monkeypatch, bad_rank=1)
+    corrupt_after_run(monkeypatch, bad_rank=1, dtype=np.int32)  # not AllToAllv's int64 counts
     calls = {
         "allreduce": lambda x: pycoll.allreduce(x),
         "reduce_scatter": lambda x: pycoll.reduce_scatter(x),
@@ -158,6 +160,7 @@ def test_a_wrong_result_of_any_collective_raises_everywhere(monkeypatch, name):
         "broadcast": lambda x: pycoll.broadcast(x, root=0),
         "reduce": lambda x: pycoll.reduce(x, root=1),
         "alltoall": lambda x: pycoll.alltoall(x),
+        "alltoallv": lambda x: pycoll.alltoallv(x, [1, 2, 3]),
     }
     said = errors_on_every_rank(3, lambda rank: calls[name](
         np.arange(6, dtype=np.int32) + 10 * rank))
@@ -303,3 +306,146 @@ def test_a_blocking_call_after_async_ones_is_verified_too(monkeypatch):
     pycoll.run_local(2, body)
     assert sorted(checked) == [(0, "allgather"), (0, "allreduce"), (1, "allgather"),
                                (1, "allreduce")]
+
+
+def test_the_inputs_reach_the_check_outside_the_schedules(monkeypatch):
+    """A bug in the direct AllGather's schedule cannot copy itself into the check's inputs."""
+    real_run = api.run
+
+    def off_by_one(program, source, target, transport, tag, reduce, space, scratch, label,
+                   *rest):
+        real_run(program, source, target, transport, tag, reduce, space, scratch, label, *rest)
+        if label == "allgather (direct)" and target.size:
+            target.reshape(-1)[0] += 1
+
+    monkeypatch.setattr(api, "run", off_by_one)
+    said = errors_on_every_rank(3, lambda rank: pycoll.allgather(
+        np.full(2, rank, np.float32), algorithm="direct"))
+    assert all("rank 0: 1 of 6 elements differ, the first at index 0" in t for t in said), said
+
+
+def set_result_after_run(monkeypatch, rank: int, value) -> None:
+    """Rank ``rank``'s next run leaves element 0 of its WORK equal to ``value``."""
+    real_run = api.run
+    left = {"runs": 1}
+
+    def run(program, source, target, *args, **kwargs):
+        real_run(program, source, target, *args, **kwargs)
+        if pycoll.world().rank == rank and left["runs"]:
+            left["runs"] = 0
+            target.reshape(-1)[0] = value
+
+    monkeypatch.setattr(api, "run", run)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # float16 sums
+@pytest.mark.parametrize("op,dtype,values,wrong,also_right", [
+    ("prod", np.float32, [0.0, 2.0, 3.0], 1000, [0.0, -0.0]),  # a zero factor is no underflow
+    ("prod", np.float16, [0.03, 0.03, 0.03], 1000, [2.7e-5]),  # underflows gradually
+    ("sum", np.float16, [3e4, 3e4, 3e4], 1000, [np.inf]),  # overflows in every order
+    ("sum", np.float16, [3e4, 3e4, -3e4], 1000, [3e4]),  # in no order
+    ("sum", np.float16, [6e4, 6e4, -6e4], 1000, [6e4, np.inf]),  # in some orders only
+    ("prod", np.float16, [300.0, 300.0, 1 / 300], 1000, [300.0, np.inf]),  # likewise
+])
+def test_what_passes_where_some_order_may_overflow_or_underflow(monkeypatch, op, dtype, values,
+                                                                wrong, also_right):
+    def reduce(rank):
+        return pycoll.reduce(np.array([values[rank]], dtype), op, root=0, algorithm="ring")
+
+    for value, passes in [(wrong, False), *((v, True) for v in also_right)]:
+        set_result_after_run(monkeypatch, 0, value)
+        said = errors_on_every_rank(3, reduce)
+        assert (said == ["no error"] * 3) == passes, (value, said)
+
+
+@pytest.mark.parametrize("counts", [np.array([1, 2, 0]), (c for c in [1, 2, 0])],
+                         ids=["numpy", "generator"])
+def test_counts_of_any_kind_the_call_takes(counts):
+    listed = [1, 2, 0]
+
+    def body():
+        rank = pycoll.world().rank
+        given = np.array(listed) if isinstance(counts, np.ndarray) else (c for c in listed)
+        scattered = pycoll.reduce_scatter(np.arange(3.0), counts=given)
+        given = np.array(listed) if isinstance(counts, np.ndarray) else (c for c in listed)
+        gathered = pycoll.allgather(np.ones(listed[rank]), counts=given)
+        given = np.array(listed) if isinstance(counts, np.ndarray) else (c for c in listed)
+        exchanged = pycoll.alltoallv(np.arange(3.0), given)
+        return scattered.tolist(), gathered.size, exchanged.tolist()
+
+    done = pycoll.run_local(3, body)
+    assert [d[0] for d in done] == [[0.0], [3.0, 6.0], []]
+    assert [d[1] for d in done] == [3, 3, 3]
+    assert [d[2] for d in done] == [[0.0, 0.0, 0.0], [1.0, 2.0, 1.0, 2.0, 1.0, 2.0], []]
+
+
+def test_turning_verification_off_waits_for_the_async_calls_before(monkeypatch):
+    """Every rank makes the same calls; only timing differs. The async calls queued before
+    ``comm.verify = False`` run verified on every rank, not on some."""
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "10")
+
+    def body():
+        comm = pycoll.world()
+        first = pycoll.allreduce(np.arange(4.0), async_op=True)
+        second = pycoll.allreduce(np.arange(4.0), async_op=True)
+        if comm.rank == 0:
+            time.sleep(0.3)
+        comm.verify = False
+        return first.wait().tolist(), second.wait().tolist()
+
+    assert pycoll.run_local(2, body) == [([0.0, 2.0, 4.0, 6.0],) * 2] * 2
+
+
+def test_a_call_that_writes_its_input_is_caught(monkeypatch):
+    real_run = api.run
+
+    def run(program, source, target, *args, **kwargs):
+        real_run(program, source, target, *args, **kwargs)
+        if pycoll.world().rank == 2 and source is not target:
+            source.reshape(-1)[4] = -1
+
+    monkeypatch.setattr(api, "run", run)
+    said = errors_on_every_rank(3, lambda rank: pycoll.allreduce(
+        np.arange(6, dtype=np.int64), algorithm="ring"))
+    assert all("rank 2 changed 1 elements of its input x, the first at index 4" in t
+               for t in said), said
+    assert "here (rank 2): the call changed its input x (not given in place): index 4 was 4, " \
+           "is -1" in said[2]
+    monkeypatch.setattr(api, "run", real_run)
+
+    def in_place(rank):  # writing x is the point here
+        x = np.arange(6, dtype=np.int64)
+        return pycoll.allreduce(x, out=x, algorithm="ring")
+
+    assert errors_on_every_rank(3, in_place) == ["no error"] * 3
+
+
+def test_a_check_that_fails_is_said_as_such_on_every_rank(monkeypatch):
+    real_compare = verify._compare
+
+    def compare(name, comm, *rest):
+        if comm.rank == 1:
+            raise RuntimeError("boom")
+        return real_compare(name, comm, *rest)
+
+    monkeypatch.setattr(verify, "_compare", compare)
+    said = errors_on_every_rank(3, lambda rank: pycoll.allreduce(np.arange(3)))
+    assert all(t.startswith("allreduce (op=sum, int64, algorithm='auto', 3 ranks): the result "
+                            "could not be verified on rank(s) 1") for t in said), said
+    assert said[1].endswith("| here (rank 1): RuntimeError: boom")
+
+
+def test_ranks_that_differ_on_verifying_are_named_by_the_agreement_check(monkeypatch):
+    monkeypatch.setenv("PYCOLL_CHECK", "1")
+
+    def body():
+        comm = pycoll.world()
+        comm.verify = comm.rank != 1
+        try:
+            pycoll.allreduce(np.arange(3))
+        except pycoll.CollectiveMismatch as error:
+            return str(error).split(": ", 1)[1]
+        return "no error"
+
+    said = pycoll.run_local(3, body)
+    assert all("verify: true on ranks 0, 2; false on rank 1" in t for t in said), said

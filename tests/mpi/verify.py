@@ -1,5 +1,6 @@
 """Run under mpiexec with PYCOLL_VERIFY=1: every collective's right result passes the check
-(host arrays: the shared-memory one-shot for small calls, schedules over MPI for larger);
+(host arrays: the shared-memory one-shot for small calls, schedules for larger ones, over
+shared memory or, with PYCOLL_HOST_TRANSPORT=mpi, MPI);
 then rank 1's next result is made wrong in one element, and every rank must raise the same
 VerificationError naming rank 1. Prints one summary line on rank 0."""
 
