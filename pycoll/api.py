@@ -281,17 +281,17 @@ def reduce(
     op = _op(op, x, "reduce")
     root = _root(root, comm, "reduce")
     with space.using(stream):
-        if comm.rank == root:  # before any exchange: a bad out must not raise at root alone
-            out = _out(out, x, x.shape, "reduce", may_alias=True)
         slots = _small_exchange(comm, Collective.REDUCE, x, op, algorithm, stream, None, root)
         if slots is not None:
             if comm.rank != root:
                 return None
+            out = _out(out, x, x.shape, "reduce", may_alias=True)
             flat = out.reshape(-1)
             _sum_in_rank_order(flat, slots, HOST.reducer(op, x.dtype))
             HOST.finish(flat, op, comm.size)
             return out
         if comm.rank == root:
+            out = _out(out, x, x.shape, "reduce", may_alias=True)
             work = out
         else:
             work = comm.buffer("reduce", x.size, x.dtype, space)  # partials pass non-roots

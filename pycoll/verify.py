@@ -16,14 +16,13 @@ combines in rank order, by the rounding another order allows, per element: 2γ�
 (γₙ = n·u/(1 − n·u), u the unit roundoff of the dtype, n the rank count), that over n plus two
 roundings of the quotient for an average, 2γ₃ₙ·Π|xᵣ| for a product, plus n of the dtype's
 smallest subnormal (times the product of the factors above 1, for a product: gradual
-underflow). Where a partial sum or product could overflow in some order (the sum of the
-positive or of the negative terms, or the product of the factors above 1, past the dtype's
-largest value), an infinite or NaN result passes too, and a finite one is measured against
-the exact value, not the oracle's (which may itself have overflowed).
+underflow). What falls outside is measured, in extended precision, against what some order
+can give where partial results overflow or underflow, or inputs are infinite or NaN
+(``_reachable``).
 
 Debugging only: every rank receives every rank's input (n times the input's memory) and the
-check costs far more than the collective. Send and Recv are not verified: a receiver cannot
-know what was sent without a message of its own.
+check costs far more than the collective (docs/reliability.md). Send and Recv are not
+verified: a receiver cannot know what was sent without a message of its own.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _REDUCING = ("allreduce", "reduce_scatter", "reduce")
 _OK, _WRONG, _FAILED, _WROTE_INPUT = 0, 1, 2, 3  # a rank's verdict
 _COUNTS = ("counts", "send_counts", "recv_counts")
+_CHUNK = 1 << 18  # float elements compared at a time
 
 
 class VerificationError(RuntimeError):
@@ -156,8 +156,9 @@ def _check(name: str, comm: Any, arguments: dict, mine: np.ndarray, result: Any,
         row = mine.size // max(len(arguments["x"]), 1)
         counts = np.array([int(c) * row for c in arguments["send_counts"]], np.int64)
         send_counts = [c.tolist() for c in _exchange(comm, name, counts)]
-    verdict, local, wrong, first = _FAILED, "", 0, -1
+    verdict, local, wrong, first, size = _FAILED, "", 0, -1, 0
     try:
+        size = 0 if result is None else int(result.size)
         verdict, local, wrong, first = _compare(name, comm, arguments, inputs, send_counts,
                                                 result, space, stream)
         if verdict == _OK and not _in_place(name, arguments["x"], result, space):
@@ -168,8 +169,7 @@ def _check(name: str, comm: Any, arguments: dict, mine: np.ndarray, result: Any,
                 local = (f"the call changed its input x (not given in place): index {first} "
                          f"was {mine[first].item()!r}, is {after[first].item()!r}")
     except Exception as error:  # said on every rank: no rank may skip the verdicts' exchange
-        local = f"{type(error).__name__}: {error}"
-    size = 0 if result is None else int(result.size)
+        verdict, local = _FAILED, f"{type(error).__name__}: {error}"
     verdicts = np.stack(_exchange(comm, name, np.array([verdict, wrong, first, size], np.int64)))
     if (verdicts[:, 0] == _OK).all():
         return
@@ -267,39 +267,111 @@ def _differs(got: np.ndarray, expected: np.ndarray, parts: list[np.ndarray] | No
         if floating:
             same |= np.isnan(got.astype(np.float64)) & np.isnan(expected.astype(np.float64))
         return ~same, None
-    info = ml_dtypes.finfo(dtype) if dtype == _BFLOAT16 else np.finfo(dtype)
-    unit, largest, subnormal = float(info.eps) / 2, float(info.max), float(info.smallest_subnormal)
-    wide = np.complex128 if dtype.kind == "c" else np.float64
-    g, e = got.astype(wide), expected.astype(wide)
-    values = [p.astype(wide) for p in parts]
-    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+    differs, allowed = np.zeros(got.size, bool), np.zeros(got.size)
+    for start in range(0, got.size, _CHUNK):  # bounds the wide temporaries
+        part = slice(start, start + _CHUNK)
+        differs[part], allowed[part] = _float_differs(
+            got[part], expected[part], [p[part] for p in parts], op, nranks)
+    return differs, allowed
+
+
+def _float_differs(got: np.ndarray, expected: np.ndarray, parts: list[np.ndarray], op: str,
+                   nranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Float sums, averages and products: first what is surely within rounding of the
+    oracle's result, in float64; then, for the rest only, what some order of combining can
+    give (overflow, underflow, infinite and NaN inputs), in extended precision."""
+    info = _finfo(got.dtype)
+    unit, subnormal = float(info.eps) / 2, float(info.smallest_subnormal)
+    wide = np.complex128 if got.dtype.kind == "c" else np.float64
+    with np.errstate(all="ignore"):
+        g, e = got.astype(wide), expected.astype(wide)
         if op == "prod":
-            sizes = [np.abs(v) for v in values]
-            exact = functools.reduce(np.multiply, values)
-            grows = functools.reduce(np.multiply, [np.maximum(s, 1) for s in sizes])
-            allowed = (2 * _gamma(3 * nranks, unit) * functools.reduce(np.multiply, sizes)
-                       + nranks * subnormal * grows)
-            may_overflow = grows > largest
+            magnitude = np.abs(parts[0].astype(wide))
+            for p in parts[1:]:
+                magnitude *= np.abs(p.astype(wide))
+            allowed = 2 * _gamma(3 * nranks, unit) * magnitude
         else:
-            components = [v.real for v in values] + ([v.imag for v in values]
-                                                     if dtype.kind == "c" else [])
-            exact = functools.reduce(np.add, values)
-            total = functools.reduce(np.add, [np.abs(c) for c in components])
-            allowed = 2 * _gamma(nranks, unit) * total
-            # a partial sum in some order reaches the positive terms' sum, or the negatives'
-            reach = [functools.reduce(np.add, [np.maximum(sign * c, 0) for c in part])
-                     for part in ([v.real for v in values], [v.imag for v in values])
-                     for sign in (1, -1)]
-            may_overflow = functools.reduce(np.maximum, reach) * (1 + _gamma(nranks, unit)) > (
-                largest)
+            magnitude = np.zeros(got.size)
+            for p in parts:
+                w = p.astype(wide)
+                magnitude += np.abs(w.real) + np.abs(w.imag) if got.dtype.kind == "c" else np.abs(w)
+            allowed = 2 * _gamma(nranks, unit) * magnitude
             if op == "avg":
-                exact = exact / nranks
-                allowed = allowed / nranks + 2 * unit * np.abs(exact)
-            allowed = allowed + nranks * subnormal
-        close = (np.abs(g - e) <= allowed) | (g == e) | (np.isnan(g) & np.isnan(e))
-        # where some order overflows: inf or NaN, or (the oracle's may have) the exact value
-        close |= may_overflow & (~np.isfinite(g) | (np.abs(g - exact) <= allowed))
-    return ~close, allowed
+                allowed = allowed / nranks + 2 * unit * np.abs(e)
+        allowed += nranks * subnormal
+        sure = ((np.abs(g - e) <= allowed) & np.isfinite(allowed)) | (g == e) | (
+            np.isnan(g) & np.isnan(e))
+    suspects = np.flatnonzero(~sure)
+    if suspects.size:
+        sure[suspects] = _reachable(got[suspects], [p[suspects] for p in parts], op, nranks)
+    return ~sure, allowed
+
+
+def _reachable(got: np.ndarray, parts: list[np.ndarray], op: str, nranks: int) -> np.ndarray:
+    """Whether some order of combining ``parts`` gives ``got``, within rounding (elementwise,
+    in extended precision, so that the bounds themselves do not overflow: numpy's longdouble,
+    80-bit on x86-64; where it is float64, float64 bounds near the largest value are loose)."""
+    if got.dtype.kind == "c" and op != "prod":  # complex sums are two real sums
+        real = _finfo(got.dtype).dtype
+        return (_reachable(got.real.astype(real), [p.real for p in parts], op, nranks)
+                & _reachable(got.imag.astype(real), [p.imag for p in parts], op, nranks))
+    info = _finfo(got.dtype)
+    unit, largest = float(info.eps) / 2, float(info.max)
+    subnormal = float(info.smallest_subnormal)
+    wide = np.clongdouble if got.dtype.kind == "c" else np.longdouble
+    with np.errstate(all="ignore"):
+        values = [p.astype(wide) for p in parts]
+        g = got.astype(wide)
+        nan_in = functools.reduce(np.logical_or, [np.isnan(v) for v in values])
+        if op == "prod":
+            return _product_reachable(g, values, nan_in, nranks, unit, largest, subnormal)
+        finite = [np.where(np.isfinite(v), v, 0) for v in values]
+        gamma = _gamma(nranks, unit)
+        exact = functools.reduce(np.add, finite)
+        allowed = 2 * gamma * functools.reduce(np.add, [np.abs(v) for v in finite])
+        if op == "avg":
+            exact = exact / nranks
+            allowed = allowed / nranks + 2 * unit * np.abs(exact)
+        allowed += nranks * subnormal
+        # a partial sum reaches, in some order, all the positive terms, or all the negative
+        up = functools.reduce(np.add, [np.maximum(v, 0) for v in finite]) * (1 + gamma) > largest
+        down = functools.reduce(np.add, [np.maximum(-v, 0) for v in finite]) * (1 + gamma) > (
+            largest)
+        up |= functools.reduce(np.logical_or, [v == np.inf for v in values])
+        down |= functools.reduce(np.logical_or, [v == -np.inf for v in values])
+        finite_in = ~nan_in & ~functools.reduce(np.logical_or, [np.isinf(v) for v in values])
+        return ((finite_in & np.isfinite(g) & (np.abs(g - exact) <= allowed))
+                | ((g == np.inf) & up) | ((g == -np.inf) & down)
+                | (np.isnan(g) & (nan_in | (up & down))))
+
+
+def _product_reachable(g: np.ndarray, values: list[np.ndarray], nan_in: np.ndarray,
+                       nranks: int, unit: float, largest: float, subnormal: float
+                       ) -> np.ndarray:
+    sizes = [np.abs(v) for v in values]
+    inf_in = functools.reduce(np.logical_or, [np.isinf(s) for s in sizes])
+    zero_in = functools.reduce(np.logical_or, [s == 0 for s in sizes])
+    finite = [np.where(np.isfinite(s), s, 1) for s in sizes]
+    grows = functools.reduce(np.multiply, [np.maximum(s, 1) for s in finite])
+    shrinks = functools.reduce(np.multiply, [np.where(s < 1, s, 1) for s in finite])
+    gamma = _gamma(3 * nranks, unit)
+    complex_ = np.iscomplexobj(g)
+    # an order multiplying the factors above 1 first may overflow (complex: its parts may)
+    over = grows * (1 + gamma) * (2 if complex_ else 1) > largest
+    vanish = (shrinks < subnormal / 2) & ~zero_in  # ... or the ones below 1 first: to zero
+    exact = functools.reduce(np.multiply, values)
+    allowed = (2 * gamma * functools.reduce(np.multiply, finite) + nranks * subnormal * grows)
+    near = np.isfinite(g) & (np.abs(g - exact) <= allowed) & ~inf_in & ~nan_in
+    if complex_:  # the parts' signs after an overflow are not worth modelling: any
+        return near | (~np.isfinite(g) & (over | inf_in | nan_in))
+    same_sign = np.signbit(g) == np.signbit(exact)
+    infinite = np.isinf(g) & same_sign & (over | inf_in) & ~zero_in & ~nan_in
+    nan = np.isnan(g) & (nan_in | (inf_in & (zero_in | vanish)) | (over & zero_in))
+    return near | infinite | nan
+
+
+def _finfo(dtype: np.dtype) -> Any:
+    return ml_dtypes.finfo(dtype) if dtype == _BFLOAT16 else np.finfo(dtype)
 
 
 def _gamma(k: int, unit: float) -> float:

@@ -338,7 +338,7 @@ def set_result_after_run(monkeypatch, rank: int, value) -> None:
     monkeypatch.setattr(api, "run", run)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # float16 sums
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # overflow, inf * 0: the inputs
 @pytest.mark.parametrize("op,dtype,values,wrong,also_right", [
     ("prod", np.float32, [0.0, 2.0, 3.0], 1000, [0.0, -0.0]),  # a zero factor is no underflow
     ("prod", np.float16, [0.03, 0.03, 0.03], 1000, [2.7e-5]),  # underflows gradually
@@ -346,6 +346,15 @@ def set_result_after_run(monkeypatch, rank: int, value) -> None:
     ("sum", np.float16, [3e4, 3e4, -3e4], 1000, [3e4]),  # in no order
     ("sum", np.float16, [6e4, 6e4, -6e4], 1000, [6e4, np.inf]),  # in some orders only
     ("prod", np.float16, [300.0, 300.0, 1 / 300], 1000, [300.0, np.inf]),  # likewise
+    ("sum", np.float16, [3e4, 3e4, 3e4], -np.inf, []),  # only upwards
+    ("sum", np.float16, [6e4, 6e4, -6e4], np.nan, []),  # never down: no inf - inf
+    ("sum", np.float32, [np.inf, 1.0, 2.0], 0.0, [np.inf]),  # an infinite input
+    ("prod", np.float32, [np.inf, 2.0, 3.0], -7.0, [np.inf]),
+    ("prod", np.float32, [np.inf, -2.0, 3.0], np.inf, [-np.inf]),  # the sign holds
+    ("prod", np.float32, [np.inf, 0.0, 3.0], np.inf, [np.nan]),  # inf * 0 in every order
+    ("prod", np.float64, [1e200, 1e200, 1e-300], 1e150, [1e100]),  # bounds past float64
+    ("prod", np.float32, [3686565376.0, 4312102400.0, 3832046336.0, 5585957888.0], 1000,
+     [np.inf, 3.4028233e38]),  # the exact product just under the largest float32
 ])
 def test_what_passes_where_some_order_may_overflow_or_underflow(monkeypatch, op, dtype, values,
                                                                 wrong, also_right):
@@ -354,8 +363,8 @@ def test_what_passes_where_some_order_may_overflow_or_underflow(monkeypatch, op,
 
     for value, passes in [(wrong, False), *((v, True) for v in also_right)]:
         set_result_after_run(monkeypatch, 0, value)
-        said = errors_on_every_rank(3, reduce)
-        assert (said == ["no error"] * 3) == passes, (value, said)
+        said = errors_on_every_rank(len(values), reduce)
+        assert (said == ["no error"] * len(values)) == passes, (value, said)
 
 
 @pytest.mark.parametrize("counts", [np.array([1, 2, 0]), (c for c in [1, 2, 0])],
@@ -433,6 +442,15 @@ def test_a_check_that_fails_is_said_as_such_on_every_rank(monkeypatch):
     assert all(t.startswith("allreduce (op=sum, int64, algorithm='auto', 3 ranks): the result "
                             "could not be verified on rank(s) 1") for t in said), said
     assert said[1].endswith("| here (rank 1): RuntimeError: boom")
+
+
+def test_a_failure_of_the_input_check_is_said_too(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("input check broke")
+
+    monkeypatch.setattr(verify, "_in_place", broken)
+    said = errors_on_every_rank(2, lambda rank: pycoll.allreduce(np.arange(3)))
+    assert all("could not be verified on rank(s) 0, 1" in t for t in said), said
 
 
 def test_ranks_that_differ_on_verifying_are_named_by_the_agreement_check(monkeypatch):
