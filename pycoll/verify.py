@@ -281,6 +281,11 @@ def _float_differs(got: np.ndarray, expected: np.ndarray, parts: list[np.ndarray
     oracle's result, in float64; then, for the rest only, what some order of combining can
     give (overflow, underflow, infinite and NaN inputs), in extended precision."""
     info = _finfo(got.dtype)
+    if got.dtype.kind == "c" and op != "prod":  # complex sums and averages: two real ones
+        real = [_float_differs(part(got).astype(info.dtype), part(expected).astype(info.dtype),
+                               [part(p) for p in parts], op, nranks)
+                for part in (np.real, np.imag)]
+        return real[0][0] | real[1][0], np.maximum(real[0][1], real[1][1])
     unit, subnormal = float(info.eps) / 2, float(info.smallest_subnormal)
     wide = np.complex128 if got.dtype.kind == "c" else np.float64
     with np.errstate(all="ignore"):
@@ -293,14 +298,15 @@ def _float_differs(got: np.ndarray, expected: np.ndarray, parts: list[np.ndarray
         else:
             magnitude = np.zeros(got.size)
             for p in parts:
-                w = p.astype(wide)
-                magnitude += np.abs(w.real) + np.abs(w.imag) if got.dtype.kind == "c" else np.abs(w)
+                magnitude += np.abs(p.astype(wide))
             allowed = 2 * _gamma(nranks, unit) * magnitude
             if op == "avg":
                 allowed = allowed / nranks + 2 * unit * np.abs(e)
         allowed += nranks * subnormal
-        sure = ((np.abs(g - e) <= allowed) & np.isfinite(allowed)) | (g == e) | (
-            np.isnan(g) & np.isnan(e))
+        same = functools.reduce(np.logical_and, [  # per component: NaN where the oracle's is
+            (part(g) == part(e)) | (np.isnan(part(g)) & np.isnan(part(e)))
+            for part in ((np.real, np.imag) if got.dtype.kind == "c" else (np.real,))])
+        sure = ((np.abs(g - e) <= allowed) & np.isfinite(allowed)) | same
     suspects = np.flatnonzero(~sure)
     if suspects.size:
         sure[suspects] = _reachable(got[suspects], [p[suspects] for p in parts], op, nranks)
@@ -333,16 +339,25 @@ def _reachable(got: np.ndarray, parts: list[np.ndarray], op: str, nranks: int) -
             exact = exact / nranks
             allowed = allowed / nranks + 2 * unit * np.abs(exact)
         allowed += nranks * subnormal
-        # a partial sum reaches, in some order, all the positive terms, or all the negative
-        up = functools.reduce(np.add, [np.maximum(v, 0) for v in finite]) * (1 + gamma) > largest
-        down = functools.reduce(np.add, [np.maximum(-v, 0) for v in finite]) * (1 + gamma) > (
-            largest)
-        up |= functools.reduce(np.logical_or, [v == np.inf for v in values])
-        down |= functools.reduce(np.logical_or, [v == -np.inf for v in values])
-        finite_in = ~nan_in & ~functools.reduce(np.logical_or, [np.isinf(v) for v in values])
+        # A partial sum reaches, in some order, all the positive terms (or all the negative):
+        # past the largest value, with two terms at least, it overflows.
+        up, down = (_overflows([np.maximum(sign * v, 0) for v in finite], gamma, largest)
+                    for sign in (1, -1))
+        plus_inf = functools.reduce(np.logical_or, [v == np.inf for v in values])
+        minus_inf = functools.reduce(np.logical_or, [v == -np.inf for v in values])
+        up, down = up | plus_inf, down | minus_inf
+        finite_in = ~nan_in & ~plus_inf & ~minus_inf
         return ((finite_in & np.isfinite(g) & (np.abs(g - exact) <= allowed))
-                | ((g == np.inf) & up) | ((g == -np.inf) & down)
+                | ((g == np.inf) & up & ~minus_inf & ~nan_in)
+                | ((g == -np.inf) & down & ~plus_inf & ~nan_in)
                 | (np.isnan(g) & (nan_in | (up & down))))
+
+
+def _overflows(terms: list[np.ndarray], gamma: float, largest: float) -> np.ndarray:
+    """Whether a partial sum of the nonnegative ``terms`` can pass ``largest`` in rounded
+    arithmetic (one term alone never overflows: two at least)."""
+    nonzero = functools.reduce(np.add, [(t > 0).astype(np.int64) for t in terms])
+    return (functools.reduce(np.add, terms) * (1 + gamma) > largest) & (nonzero >= 2)
 
 
 def _product_reachable(g: np.ndarray, values: list[np.ndarray], nan_in: np.ndarray,
@@ -356,17 +371,20 @@ def _product_reachable(g: np.ndarray, values: list[np.ndarray], nan_in: np.ndarr
     shrinks = functools.reduce(np.multiply, [np.where(s < 1, s, 1) for s in finite])
     gamma = _gamma(3 * nranks, unit)
     complex_ = np.iscomplexobj(g)
-    # an order multiplying the factors above 1 first may overflow (complex: its parts may)
-    over = grows * (1 + gamma) * (2 if complex_ else 1) > largest
-    vanish = (shrinks < subnormal / 2) & ~zero_in  # ... or the ones below 1 first: to zero
+    # An order multiplying the factors above 1 first may overflow (two of them at least;
+    # complex: its parts may), or the ones below 1 first underflow to zero.
+    above = functools.reduce(np.add, [(s > 1).astype(np.int64) for s in finite])
+    over = (grows * (1 + gamma) * (2 if complex_ else 1) > largest) & (above >= 2)
+    vanish = (shrinks < np.longdouble(subnormal) / 2) & ~zero_in
     exact = functools.reduce(np.multiply, values)
     allowed = (2 * gamma * functools.reduce(np.multiply, finite) + nranks * subnormal * grows)
     near = np.isfinite(g) & (np.abs(g - exact) <= allowed) & ~inf_in & ~nan_in
+    near = np.where(zero_in, (g == 0) & ~inf_in & ~nan_in, near)  # a zero factor: 0, exactly
     if complex_:  # the parts' signs after an overflow are not worth modelling: any
         return near | (~np.isfinite(g) & (over | inf_in | nan_in))
     same_sign = np.signbit(g) == np.signbit(exact)
     infinite = np.isinf(g) & same_sign & (over | inf_in) & ~zero_in & ~nan_in
-    nan = np.isnan(g) & (nan_in | (inf_in & (zero_in | vanish)) | (over & zero_in))
+    nan = np.isnan(g) & (nan_in | ((inf_in | over) & (zero_in | vanish)))
     return near | infinite | nan
 
 

@@ -355,6 +355,16 @@ def set_result_after_run(monkeypatch, rank: int, value) -> None:
     ("prod", np.float64, [1e200, 1e200, 1e-300], 1e150, [1e100]),  # bounds past float64
     ("prod", np.float32, [3686565376.0, 4312102400.0, 3832046336.0, 5585957888.0], 1000,
      [np.inf, 3.4028233e38]),  # the exact product just under the largest float32
+    # 0 * inf: NaN (1000 would pass: underflow's allowance, n·subnormal·1e60, is 5.6e15)
+    ("prod", np.float32, [1e-30, 1e-30, 1e30, 1e30], 1e20, [np.nan, 0.0, np.inf, 1.0]),
+    ("prod", np.float64, [1e300] * 17 + [0.0], 1.0, [0.0, np.nan]),  # 0, or inf * 0
+    ("sum", np.float32, [np.nan, np.inf, 1.0], np.inf, [np.nan]),
+    ("sum", np.float32, [np.inf, -np.inf, 1.0], np.inf, [np.nan]),
+    ("sum", np.float32, [np.inf, -3e38, -3e38], -np.inf, [np.inf, np.nan]),
+    ("sum", np.complex64, [np.inf + 1j, -np.inf + 2j, 1 + 3j], complex(np.nan, 999),
+     [complex(np.nan, 6)]),  # each part on its own
+    ("sum", np.float32, [3.4028235e38, -1.7014117e38, 0.0], np.inf, [1.7014117e38]),  # one
+    ("prod", np.float16, [65504.0, 0.5, 0.5], np.inf, [16376.0]),  # term at the largest value
 ])
 def test_what_passes_where_some_order_may_overflow_or_underflow(monkeypatch, op, dtype, values,
                                                                 wrong, also_right):
