@@ -490,13 +490,6 @@ def format_footer(rows: list[Row]) -> str:
     return f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}"
 
 
-def format_table(rows: list[Row], title: str) -> str:
-    against = any(r.native_time_us is not None for r in rows)
-    roofline = any(r.roofline_pct is not None for r in rows)
-    return "\n".join([format_header(title, against, roofline),
-                      *(format_row(r, against, roofline) for r in rows), format_footer(rows)])
-
-
 def write_json(rows: list[Row], path: str) -> None:
     text = json.dumps([asdict(r) for r in rows], indent=1)
     _write(text, path)
