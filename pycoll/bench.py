@@ -460,29 +460,37 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
     return row
 
 
+# The table's columns: (name, width, the Row field, format); the native MPI ones with
+# --against, the roofline ones with --roofline (a missing value prints as 0).
+_COLUMNS = [("size(B)", 12, "size", ""), ("count", 11, "count", ""), ("type", 8, "type", ""),
+            ("redop", 5, "redop", ""), ("root", 4, "root", ""),
+            ("algorithm", 16, "algorithm", ""), ("time(us)", 10, "time_us", ".1f"),
+            ("algbw(GB/s)", 11, "algbw", ".3f"), ("busbw(GB/s)", 11, "busbw", ".3f"),
+            ("#wrong", 6, "wrong", "")]
+_AGAINST = [("mpi(us)", 10, "native_time_us", ".1f"), ("mpi busbw", 9, "native_busbw", ".3f"),
+            ("ratio", 6, "ratio", ".2f")]
+_ROOFLINE = [("roofline%", 9, "roofline_pct", ".1f")]
+_ROOFLINE_AGAINST = [("mpi roof%", 9, "native_roofline_pct", ".1f")]
+
+
+def _columns(against: bool, roofline: bool) -> list[tuple[str, int, str, str]]:
+    return (_COLUMNS + (_AGAINST if against else []) + (_ROOFLINE if roofline else [])
+            + (_ROOFLINE_AGAINST if roofline and against else []))
+
+
 def format_header(title: str, against: bool, roofline: bool) -> str:
     """The table's title and column names (``against``: the native MPI columns)."""
-    head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'redop':>5} {'root':>4} "
-            f"{'algorithm':>16} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} "
-            f"{'#wrong':>6}")
-    if against:
-        head += f" {'mpi(us)':>10} {'mpi busbw':>9} {'ratio':>6}"
-    if roofline:
-        head += f" {'roofline%':>9}" + (f" {'mpi roof%':>9}" if against else "")
+    head = " ".join(f"{name:>{width}}" for name, width, _, _ in _columns(against, roofline))
     return f"# {title}\n#{head[1:]}"
 
 
 def format_row(r: Row, against: bool, roofline: bool) -> str:
-    line = (f"{r.size:>12} {r.count:>11} {r.type:>8} {r.redop:>5} {r.root:>4} "
-            f"{r.algorithm:>16} {r.time_us:>10.1f} {r.algbw:>11.3f} {r.busbw:>11.3f} "
-            f"{r.wrong:>6}")
-    if against:
-        line += f" {r.native_time_us:>10.1f} {r.native_busbw:>9.3f} {r.ratio:>6.2f}"
-    if roofline:
-        line += f" {r.roofline_pct or 0:>9.1f}"
-        if against:
-            line += f" {r.native_roofline_pct or 0:>9.1f}"
-    return line
+    return " ".join(f"{_or_zero(getattr(r, field)):>{width}{spec}}"
+                    for _, width, field, spec in _columns(against, roofline))
+
+
+def _or_zero(value: object) -> object:
+    return 0 if value is None else value
 
 
 def format_footer(rows: list[Row]) -> str:
