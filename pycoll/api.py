@@ -26,6 +26,7 @@ from pycoll.spaces import HOST, space_of
 OpLike = str | ReduceOp
 Array = Any  # a numpy.ndarray, or a device array (cupy.ndarray) of a registered space
 PREPARED_CALLS = 1024  # call shapes remembered per communicator
+_KNOWN = object()  # first in the key of a host call remembered whole (see _known)
 
 
 @verify.verified("allreduce")
@@ -44,17 +45,29 @@ def allreduce(
         return _submit(allreduce, "allreduce", x, op, out=out, comm=comm, algorithm=algorithm,
                        stream=stream)
     comm = _comm(comm)
-    if algorithm == "auto" and stream is None and type(x) is np.ndarray:
-        done = _one_shot_allreduce(x, op, out, comm)
-        if done is not None:
-            return done
+    known = None
+    if stream is None and type(x) is np.ndarray:
+        known = (_KNOWN, "allreduce", x.dtype, x.shape, op, algorithm, select.FORCED_SEGMENTS)
+        remembered = _known(comm, known)
+        if remembered is not None and x.flags.c_contiguous:
+            parsed, call = remembered
+            out = _out(out, x, x.shape, "allreduce", may_alias=True)
+            _execute(comm, call, x, out)
+            if parsed is ReduceOp.AVG:
+                HOST.finish(out.reshape(-1), parsed, comm.size)
+            return out
+        if algorithm == "auto":
+            done = _one_shot_allreduce(x, op, out, comm)
+            if done is not None:
+                return done
     space = _space(x, "allreduce")
-    op = _op(op, x, "allreduce")
+    parsed = _op(op, x, "allreduce")
     with space.using(stream):
         out = _out(out, x, x.shape, "allreduce", may_alias=True)
-        _run(comm, Collective.ALLREDUCE, x, out, op, algorithm)
-        if op is ReduceOp.AVG:
-            space.finish(out.reshape(-1), op, comm.size)
+        call = _run(comm, Collective.ALLREDUCE, x, out, parsed, algorithm)
+        if parsed is ReduceOp.AVG:
+            space.finish(out.reshape(-1), parsed, comm.size)
+    _remember(comm, known, (parsed, call))
     return out
 
 
@@ -161,7 +174,23 @@ def reduce_scatter(
     if async_op:
         return _submit(reduce_scatter, "reduce_scatter", x, op, counts=counts, out=out, comm=comm,
                        algorithm=algorithm, stream=stream)
-    comm, space = _comm(comm), _space(x, "reduce_scatter")
+    comm = _comm(comm)
+    known = None
+    if counts is None and stream is None and type(x) is np.ndarray:
+        known = (_KNOWN, "reduce_scatter", x.dtype, x.shape, op, algorithm,
+                 select.FORCED_SEGMENTS)
+        remembered = _known(comm, known)
+        if remembered is not None and x.flags.c_contiguous:
+            parsed, shape, start, stop, call = remembered
+            out = _out(out, x, shape, "reduce_scatter")
+            work = comm.buffer("reduce_scatter", x.size, x.dtype, HOST)
+            _execute(comm, call, x, work)
+            result = work[start:stop]
+            if parsed is ReduceOp.AVG:
+                HOST.finish(result, parsed, comm.size)
+            HOST.copy(out.reshape(-1), result)
+            return out
+    space = _space(x, "reduce_scatter")
     op = _op(op, x, "reduce_scatter")
     rows = _rows(x, "reduce_scatter")
     counts = _counts(counts, rows, comm.size, "reduce_scatter", "len(x)")
@@ -169,20 +198,20 @@ def reduce_scatter(
     with space.using(stream):
         out = _out(out, x, shape, "reduce_scatter")
         blocks = tuple(c * _row_size(x) for c in counts)
+        start = sum(blocks[: comm.rank])
+        stop = start + blocks[comm.rank]
         slots = _small_exchange(comm, Collective.REDUCE_SCATTER, x, op, algorithm, stream, blocks)
         if slots is not None:  # every rank's x, in shared memory: sum my block in rank order
-            start = sum(blocks[: comm.rank])
             flat = out.reshape(-1)
-            _sum_in_rank_order(flat, [s[start : start + blocks[comm.rank]] for s in slots],
-                               HOST.reducer(op, x.dtype))
+            _sum_in_rank_order(flat, [s[start:stop] for s in slots], HOST.reducer(op, x.dtype))
             HOST.finish(flat, op, comm.size)
             return out
         work = comm.buffer("reduce_scatter", x.size, x.dtype, space)
-        _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
-        start = sum(blocks[: comm.rank])
-        result = work[start : start + blocks[comm.rank]]
+        call = _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
+        result = work[start:stop]
         space.finish(result, op, comm.size)
         space.copy(out.reshape(-1), result)
+    _remember(comm, known, (op, shape, start, stop, call))
     return out
 
 
@@ -206,6 +235,15 @@ def allgather(
         return _submit(allgather, "allgather", x, counts=counts, out=out, comm=comm,
                        algorithm=algorithm, stream=stream)
     comm = _comm(comm)
+    known = None
+    if counts is None and stream is None and type(x) is np.ndarray:
+        known = (_KNOWN, "allgather", x.dtype, x.shape, algorithm, select.FORCED_SEGMENTS)
+        remembered = _known(comm, known)
+        if remembered is not None and x.flags.c_contiguous:
+            shape, call = remembered
+            out = _out(out, x, shape, "allgather")
+            _execute(comm, call, x, out)
+            return out
     space = _space(x, "allgather")
     rows = _rows(x, "allgather")
     if counts is None:
@@ -217,8 +255,9 @@ def allgather(
                 f"allgather: counts[{comm.rank}]={counts[comm.rank]} but this rank's x has "
                 f"{rows} rows; counts[r] must be the length of rank r's x"
             )
+    shape = (sum(counts), *x.shape[1:])
     with space.using(stream):
-        out = _out(out, x, (sum(counts), *x.shape[1:]), "allgather")
+        out = _out(out, x, shape, "allgather")
         row = _row_size(x)
         blocks = tuple(c * row for c in counts)
         slots = None
@@ -228,7 +267,9 @@ def allgather(
         if slots is not None:
             np.concatenate(slots, out=out.reshape(-1))
             return out
-        _run(comm, Collective.ALLGATHER, x, out, None, algorithm, (x.size,), blocks, out.nbytes)
+        call = _run(comm, Collective.ALLGATHER, x, out, None, algorithm, (x.size,), blocks,
+                    out.nbytes)
+    _remember(comm, known, (shape, call))
     return out
 
 
@@ -247,6 +288,13 @@ def broadcast(
         return _submit(broadcast, "broadcast", x, root, comm=comm, algorithm=algorithm,
                        stream=stream)
     comm = _comm(comm)
+    known = None
+    if stream is None and type(x) is np.ndarray and type(root) is int:
+        known = (_KNOWN, "broadcast", x.dtype, x.shape, root, algorithm, select.FORCED_SEGMENTS)
+        remembered = _known(comm, known)
+        if remembered is not None and x.flags.c_contiguous and x.flags.writeable:
+            _execute(comm, remembered, x, x)
+            return x
     space = _space(x, "broadcast")
     _writable(x, "x", "broadcast")
     root = _root(root, comm, "broadcast")
@@ -257,7 +305,8 @@ def broadcast(
             if comm.rank != root:
                 x.reshape(-1)[...] = slots[root]
             return x
-        _run(comm, Collective.BROADCAST, x, x, None, algorithm, root=root)
+        call = _run(comm, Collective.BROADCAST, x, x, None, algorithm, root=root)
+    _remember(comm, known, call)
     return x
 
 
@@ -277,7 +326,22 @@ def reduce(
     if async_op:
         return _submit(reduce, "reduce", x, op, root, out=out, comm=comm, algorithm=algorithm,
                        stream=stream)
-    comm, space = _comm(comm), _space(x, "reduce")
+    comm = _comm(comm)
+    known = None
+    if stream is None and type(x) is np.ndarray and type(root) is int:
+        known = (_KNOWN, "reduce", x.dtype, x.shape, op, root, algorithm, select.FORCED_SEGMENTS)
+        remembered = _known(comm, known)
+        if remembered is not None and x.flags.c_contiguous:
+            parsed, call = remembered
+            if comm.rank != root:  # partials pass non-roots
+                _execute(comm, call, x, comm.buffer("reduce", x.size, x.dtype, HOST))
+                return None
+            out = _out(out, x, x.shape, "reduce", may_alias=True)
+            _execute(comm, call, x, out)
+            if parsed is ReduceOp.AVG:
+                HOST.finish(out.reshape(-1), parsed, comm.size)
+            return out
+    space = _space(x, "reduce")
     op = _op(op, x, "reduce")
     root = _root(root, comm, "reduce")
     with space.using(stream):
@@ -295,7 +359,8 @@ def reduce(
             work = out
         else:
             work = comm.buffer("reduce", x.size, x.dtype, space)  # partials pass non-roots
-        _run(comm, Collective.REDUCE, x, work, op, algorithm, root=root)
+        call = _run(comm, Collective.REDUCE, x, work, op, algorithm, root=root)
+        _remember(comm, known, (op, call))
         if comm.rank != root:
             return None
         space.finish(out.reshape(-1), op, comm.size)
@@ -608,9 +673,13 @@ def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
 
 
 def _out(out, x, shape, collective, may_alias=False) -> Array:
-    space = space_of(x)  # x was checked; this is its space
     if out is None:
-        return space.empty(shape, x.dtype)
+        return space_of(x).empty(shape, x.dtype)  # x was checked; this is its space
+    if (type(out) is np.ndarray and type(x) is np.ndarray and out.dtype == x.dtype
+            and out.shape == shape and out.flags.c_contiguous and out.flags.writeable
+            and ((may_alias and out is x) or not np.may_share_memory(out, x))):
+        return out  # the common case, in few steps: a separate numpy array that fits, or x
+    space = space_of(x)
     if _space(out, collective, "out") is not space:
         raise TypeError(
             f"{collective}: out is a {type(out).__name__} but x is a {type(x).__name__}; "
@@ -657,6 +726,25 @@ def _tag(tag: int, collective: str) -> int:
     return int(tag)
 
 
+def _known(comm: Communicator, key: tuple) -> Any:
+    """What an earlier host call with these very arguments (``key``: the public function's
+    name, x's dtype and shape, the other arguments as given) found valid and prepared, so
+    that repeating it skips the checks that passed then; None if none did."""
+    try:
+        return comm.prepared.get(key)
+    except TypeError:  # an unhashable argument: the checks name it
+        return None
+
+
+def _remember(comm: Communicator, key: tuple | None, what: Any) -> None:
+    """Keep ``what`` for calls with ``key`` (None: a call not to remember)."""
+    if key is None:
+        return
+    if len(comm.prepared) >= PREPARED_CALLS:
+        comm.prepared.clear()
+    comm.prepared[key] = what
+
+
 def _run(
     comm: Communicator,
     collective: Collective,
@@ -670,17 +758,18 @@ def _run(
     *,
     root: int | None = None,
     peer: int | None = None,
-    p2p: bool = False,
     tag: int | None = None,
-) -> None:
-    """Run this rank's part of the schedule chosen for this call.
+) -> PreparedCall:
+    """Run this rank's part of the schedule chosen for this call; returns what was prepared
+    for calls of its shape.
 
     ``blocks`` are WORK's element counts per block and ``input_blocks`` INPUT's (None: even
     shares of ``x`` / the same as WORK). What a call of this shape needs (the choice, the
     schedule, its compiled program, the reducer) is prepared once per communicator, so the
     repeated small call does one dictionary lookup before moving data.
     """
-    if comm.check and not comm.agreeing and collective is not Collective.SENDRECV:
+    checking = comm.check and not comm.agreeing and collective is not Collective.SENDRECV
+    if checking:  # before preparing, which may raise on some ranks only
         _agree(comm, collective, x, op, algorithm, blocks, root)
     space = space_of(x)
     # PYCOLL_ALGO is read when a call shape is first prepared (see select.py)
@@ -689,31 +778,41 @@ def _run(
     prepared = comm.prepared.get(key)
     if prepared is None:
         prepared = _prepare(comm, key)
-    schedule, program, reduce, reduce_n, reduce_copy, copy_pair, plan = prepared
+    _execute(comm, prepared, x, work, tag, agreed=checking)
+    return prepared
+
+
+def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
+             tag: int | None = None, agreed: bool = False) -> None:
+    """Run a prepared call on this call's arrays (``x`` and ``work`` of the prepared shape)."""
+    if comm.check and not agreed and not comm.agreeing and not call.point_to_point:
+        _agree(comm, call.collective, x, call.op, call.algorithm, call.blocks, call.root)
     if select.DEBUG and not comm.agreeing:  # the agreement's own exchange is not news
-        select.report(plan, comm.rank)
+        select.report(call.plan, comm.rank)
+    space = call.space
     source = x if x.ndim == 1 else x.reshape(-1)
     target = work if work.ndim == 1 else work.reshape(-1)
-    if comm.rank in schedule.input_read_late and space.shares_memory(source, target):
+    if call.reads_input_late and space.shares_memory(source, target):
         # in place, yet the schedule reads INPUT after WORK changed
         source, original = comm.buffer("input", source.size, source.dtype, space), source
         space.copy(source, original)
     tag = comm.next_tag() if tag is None else tag
     if space.is_device:  # Send/Recv: the endpoint to the one other rank of the pair
         try:
-            transport = comm.device_transport(space, (root if peer == comm.rank else peer)
-                                              if p2p else None)
+            transport = comm.device_transport(space, (
+                (call.root if call.peer == comm.rank else call.peer) if call.point_to_point
+                else None))
         except WaitTimeout as late:
-            raise _timed_out(comm, f"{collective.value} (connecting)", late) from None
+            raise _timed_out(comm, f"{call.collective.value} (connecting)", late) from None
     else:
-        transport = comm.p2p if p2p else comm.host_transport()
+        transport = comm.p2p if call.point_to_point else comm.host_transport()
+    program = call.program
     scratch = None
     if program.scratch_elements and not getattr(transport, "delivers", False):
         scratch = comm.buffer("scratch", program.scratch_elements, target.dtype, space)
     try:
-        run(program, source, target, transport, tag, reduce, space, scratch,
-            f"{collective.value} ({schedule.algorithm})", comm.traffic.add, reduce_n,
-            reduce_copy, copy_pair)
+        run(program, source, target, transport, tag, call.reduce, space, scratch, call.what,
+            comm.traffic.add, call.reduce_n, call.reduce_copy, call.copy_pair)
     except CollectiveTimeout as error:
         raise _broken(comm, error) from None
 
@@ -784,9 +883,33 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
         program = dataclasses.replace(program, forwards=tuple(() for _ in program.steps))
     if len(comm.prepared) >= PREPARED_CALLS:  # a long size sweep: start over rather than grow
         comm.prepared.clear()
-    comm.prepared[key] = prepared = (schedule, program, reduce, reduce_n, reduce_copy, copy_pair,
-                                     plan)
+    comm.prepared[key] = prepared = PreparedCall(
+        collective, algorithm, op, root, peer, blocks, space, plan, program, reduce, reduce_n,
+        reduce_copy, copy_pair, comm.rank in schedule.input_read_late,
+        f"{collective.value} ({schedule.algorithm})", collective is Collective.SENDRECV)
     return prepared
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PreparedCall:
+    """What calls of one shape need, made once per communicator (``_prepare``)."""
+
+    collective: Collective
+    algorithm: str
+    op: ReduceOp | None
+    root: int | None
+    peer: int | None
+    blocks: tuple[int, ...] | None
+    space: Any
+    plan: select.Plan
+    program: Any  # execute.Program
+    reduce: Any
+    reduce_n: Any
+    reduce_copy: Any
+    copy_pair: Any
+    reads_input_late: bool  # the schedule reads INPUT after WORK changed
+    what: str  # the collective and family, for a timeout's message
+    point_to_point: bool  # Send/Recv
 
 
 def _forwarding() -> bool:
@@ -799,8 +922,7 @@ def _forwarding() -> bool:
 
 
 def _point_to_point(comm, x, work, src, dst, tag) -> None:
-    _run(comm, Collective.SENDRECV, x, work, None, "direct", root=src, peer=dst, p2p=True,
-         tag=tag)
+    _run(comm, Collective.SENDRECV, x, work, None, "direct", root=src, peer=dst, tag=tag)
 
 
 def _no_reduction(target: Array, incoming: Array) -> None:

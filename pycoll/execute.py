@@ -333,12 +333,17 @@ def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at
         at[0] = index
         if len(receives) == 1 and len(transmits) == 1:  # a ring step, or a pair exchange
             r, t = receives[0], transmits[0]
-            into = work[r.start : r.stop] if r.scratch < 0 else scratch[: r.stop - r.start]
             out = (source if t.from_input else work)[t.start : t.stop]
             if count is not None:
                 count(t.peer, out.nbytes)
+            if r.scratch < 0:
+                transport.sendrecv(out, t.peer, work[r.start : r.stop], r.peer, tag)
+                continue
+            into = scratch[: r.stop - r.start]
             transport.sendrecv(out, t.peer, into, r.peer, tag)
-            if r.scratch >= 0:
+            if r.fused is not None and not r.own_last:  # the pair's usual case, inline
+                reduce(work[r.start : r.stop], into, source[r.fused[0] : r.fused[1]])
+            else:
                 _reduce(reduce, space, work, source, r, into)
             continue
         requests = []
