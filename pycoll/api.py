@@ -27,6 +27,7 @@ OpLike = str | ReduceOp
 Array = Any  # a numpy.ndarray, or a device array (cupy.ndarray) of a registered space
 PREPARED_CALLS = 1024  # call shapes remembered per communicator
 _KNOWN = object()  # first in the key of a host call remembered whole (see _known)
+_ONE_SHOT = "one shot"  # how a remembered call ran: every rank's x through shared memory
 
 
 @verify.verified("allreduce")
@@ -47,6 +48,10 @@ def allreduce(
     comm = _comm(comm)
     known = None
     if stream is None and type(x) is np.ndarray:
+        if algorithm == "auto":
+            done = _one_shot_allreduce(x, op, out, comm)  # which remembers (dtype, op) itself
+            if done is not None:
+                return done
         known = (_KNOWN, "allreduce", x.dtype, x.shape, op, algorithm, select.FORCED_SEGMENTS)
         remembered = _known(comm, known)
         if remembered is not None and x.flags.c_contiguous:
@@ -56,10 +61,6 @@ def allreduce(
             if parsed is ReduceOp.AVG:
                 HOST.finish(out.reshape(-1), parsed, comm.size)
             return out
-        if algorithm == "auto":
-            done = _one_shot_allreduce(x, op, out, comm)
-            if done is not None:
-                return done
     space = _space(x, "allreduce")
     parsed = _op(op, x, "allreduce")
     with space.using(stream):
@@ -79,7 +80,10 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
     shared = comm.one_shot_for(Collective.ALLREDUCE)
     if shared is None or x.nbytes > shared.small_bytes or not x.flags.c_contiguous:
         return None
-    known = shared.ops.get((x.dtype, op))
+    try:
+        known = shared.ops.get((x.dtype, op))
+    except TypeError:  # an unhashable op: the general path names it
+        return None
     if known is None:
         _space(x, "allreduce")
         parsed = _op(op, x, "allreduce")
@@ -181,14 +185,9 @@ def reduce_scatter(
                  select.FORCED_SEGMENTS)
         remembered = _known(comm, known)
         if remembered is not None and x.flags.c_contiguous:
-            parsed, shape, start, stop, call = remembered
+            parsed, shape, blocks, how = remembered
             out = _out(out, x, shape, "reduce_scatter")
-            work = comm.buffer("reduce_scatter", x.size, x.dtype, HOST)
-            _execute(comm, call, x, work)
-            result = work[start:stop]
-            if parsed is ReduceOp.AVG:
-                HOST.finish(result, parsed, comm.size)
-            HOST.copy(out.reshape(-1), result)
+            _reduce_scatter(comm, x, out, parsed, blocks, algorithm, None, HOST, how)
             return out
     space = _space(x, "reduce_scatter")
     op = _op(op, x, "reduce_scatter")
@@ -198,21 +197,36 @@ def reduce_scatter(
     with space.using(stream):
         out = _out(out, x, shape, "reduce_scatter")
         blocks = tuple(c * _row_size(x) for c in counts)
-        start = sum(blocks[: comm.rank])
-        stop = start + blocks[comm.rank]
+        how = _reduce_scatter(comm, x, out, op, blocks, algorithm, stream, space)
+    _remember(comm, known, (op, shape, blocks, how))
+    return out
+
+
+def _reduce_scatter(comm: Communicator, x: Array, out: Array, op: ReduceOp,
+                    blocks: tuple[int, ...], algorithm: str, stream: Any, space: Any,
+                    how: Any = None) -> Any:
+    """ReduceScatter of checked arguments into ``out``; returns how it ran (``_ONE_SHOT``,
+    or the prepared call), for a repeat of the call to run the same way (``how``)."""
+    start = sum(blocks[: comm.rank])
+    stop = start + blocks[comm.rank]
+    if how is None or how is _ONE_SHOT:
         slots = _small_exchange(comm, Collective.REDUCE_SCATTER, x, op, algorithm, stream, blocks)
         if slots is not None:  # every rank's x, in shared memory: sum my block in rank order
             flat = out.reshape(-1)
             _sum_in_rank_order(flat, [s[start:stop] for s in slots], HOST.reducer(op, x.dtype))
-            HOST.finish(flat, op, comm.size)
-            return out
-        work = comm.buffer("reduce_scatter", x.size, x.dtype, space)
-        call = _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
-        result = work[start:stop]
+            if op is ReduceOp.AVG:
+                HOST.finish(flat, op, comm.size)
+            return _ONE_SHOT
+    work = comm.buffer("reduce_scatter", x.size, x.dtype, space)
+    if isinstance(how, PreparedCall):
+        _execute(comm, how, x, work)
+    else:
+        how = _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
+    result = work[start:stop]
+    if op is ReduceOp.AVG:
         space.finish(result, op, comm.size)
-        space.copy(out.reshape(-1), result)
-    _remember(comm, known, (op, shape, start, stop, call))
-    return out
+    space.copy(out.reshape(-1), result)
+    return how
 
 
 @verify.verified("allgather")
@@ -240,9 +254,9 @@ def allgather(
         known = (_KNOWN, "allgather", x.dtype, x.shape, algorithm, select.FORCED_SEGMENTS)
         remembered = _known(comm, known)
         if remembered is not None and x.flags.c_contiguous:
-            shape, call = remembered
+            shape, blocks, how = remembered
             out = _out(out, x, shape, "allgather")
-            _execute(comm, call, x, out)
+            _allgather(comm, x, out, blocks, algorithm, None, how)
             return out
     space = _space(x, "allgather")
     rows = _rows(x, "allgather")
@@ -260,17 +274,25 @@ def allgather(
         out = _out(out, x, shape, "allgather")
         row = _row_size(x)
         blocks = tuple(c * row for c in counts)
-        slots = None
-        if len(set(counts)) == 1:  # the slots hold equal arrays
-            slots = _small_exchange(comm, Collective.ALLGATHER, x, None, algorithm, stream,
-                                    blocks)
+        how = _allgather(comm, x, out, blocks, algorithm, stream)
+    _remember(comm, known, (shape, blocks, how))
+    return out
+
+
+def _allgather(comm: Communicator, x: Array, out: Array, blocks: tuple[int, ...],
+               algorithm: str, stream: Any, how: Any = None) -> Any:
+    """AllGather of checked arguments into ``out``; returns how it ran (as
+    ``_reduce_scatter``)."""
+    if (how is None and len(set(blocks)) == 1) or how is _ONE_SHOT:  # slots hold equal arrays
+        slots = _small_exchange(comm, Collective.ALLGATHER, x, None, algorithm, stream, blocks)
         if slots is not None:
             np.concatenate(slots, out=out.reshape(-1))
-            return out
-        call = _run(comm, Collective.ALLGATHER, x, out, None, algorithm, (x.size,), blocks,
-                    out.nbytes)
-    _remember(comm, known, (shape, call))
-    return out
+            return _ONE_SHOT
+    if isinstance(how, PreparedCall):
+        _execute(comm, how, x, out)
+        return how
+    return _run(comm, Collective.ALLGATHER, x, out, None, algorithm, (x.size,), blocks,
+                out.nbytes)
 
 
 @verify.verified("broadcast")
@@ -293,21 +315,31 @@ def broadcast(
         known = (_KNOWN, "broadcast", x.dtype, x.shape, root, algorithm, select.FORCED_SEGMENTS)
         remembered = _known(comm, known)
         if remembered is not None and x.flags.c_contiguous and x.flags.writeable:
-            _execute(comm, remembered, x, x)
+            _broadcast(comm, x, root, algorithm, None, remembered)
             return x
     space = _space(x, "broadcast")
     _writable(x, "x", "broadcast")
     root = _root(root, comm, "broadcast")
     with space.using(stream):
+        how = _broadcast(comm, x, root, algorithm, stream)
+    _remember(comm, known, how)
+    return x
+
+
+def _broadcast(comm: Communicator, x: Array, root: int, algorithm: str, stream: Any,
+               how: Any = None) -> Any:
+    """Broadcast of checked arguments; returns how it ran (as ``_reduce_scatter``)."""
+    if how is None or how is _ONE_SHOT:
         slots = _small_exchange(comm, Collective.BROADCAST, x, None, algorithm, stream, None,
                                 root)
         if slots is not None:
             if comm.rank != root:
                 x.reshape(-1)[...] = slots[root]
-            return x
-        call = _run(comm, Collective.BROADCAST, x, x, None, algorithm, root=root)
-    _remember(comm, known, call)
-    return x
+            return _ONE_SHOT
+    if isinstance(how, PreparedCall):
+        _execute(comm, how, x, x)
+        return how
+    return _run(comm, Collective.BROADCAST, x, x, None, algorithm, root=root)
 
 
 @verify.verified("reduce")
@@ -332,39 +364,46 @@ def reduce(
         known = (_KNOWN, "reduce", x.dtype, x.shape, op, root, algorithm, select.FORCED_SEGMENTS)
         remembered = _known(comm, known)
         if remembered is not None and x.flags.c_contiguous:
-            parsed, call = remembered
-            if comm.rank != root:  # partials pass non-roots
-                _execute(comm, call, x, comm.buffer("reduce", x.size, x.dtype, HOST))
-                return None
-            out = _out(out, x, x.shape, "reduce", may_alias=True)
-            _execute(comm, call, x, out)
-            if parsed is ReduceOp.AVG:
-                HOST.finish(out.reshape(-1), parsed, comm.size)
-            return out
+            parsed, how = remembered
+            return _reduce(comm, x, out, parsed, root, algorithm, None, HOST, how)[0]
     space = _space(x, "reduce")
     op = _op(op, x, "reduce")
     root = _root(root, comm, "reduce")
     with space.using(stream):
+        result, how = _reduce(comm, x, out, op, root, algorithm, stream, space)
+    _remember(comm, known, (op, how))
+    return result
+
+
+def _reduce(comm: Communicator, x: Array, out: Array | None, op: ReduceOp, root: int,
+            algorithm: str, stream: Any, space: Any, how: Any = None) -> tuple[Any, Any]:
+    """Reduce of checked arguments (``out`` is checked here, at the root only): the result
+    (None off the root), and how it ran (as ``_reduce_scatter``)."""
+    if how is None or how is _ONE_SHOT:
         slots = _small_exchange(comm, Collective.REDUCE, x, op, algorithm, stream, None, root)
         if slots is not None:
             if comm.rank != root:
-                return None
+                return None, _ONE_SHOT
             out = _out(out, x, x.shape, "reduce", may_alias=True)
             flat = out.reshape(-1)
             _sum_in_rank_order(flat, slots, HOST.reducer(op, x.dtype))
-            HOST.finish(flat, op, comm.size)
-            return out
-        if comm.rank == root:
-            out = _out(out, x, x.shape, "reduce", may_alias=True)
-            work = out
-        else:
-            work = comm.buffer("reduce", x.size, x.dtype, space)  # partials pass non-roots
-        call = _run(comm, Collective.REDUCE, x, work, op, algorithm, root=root)
-        _remember(comm, known, (op, call))
-        if comm.rank != root:
-            return None
+            if op is ReduceOp.AVG:
+                HOST.finish(flat, op, comm.size)
+            return out, _ONE_SHOT
+    if comm.rank == root:
+        out = _out(out, x, x.shape, "reduce", may_alias=True)
+        work = out
+    else:
+        work = comm.buffer("reduce", x.size, x.dtype, space)  # partials pass non-roots
+    if isinstance(how, PreparedCall):
+        _execute(comm, how, x, work)
+    else:
+        how = _run(comm, Collective.REDUCE, x, work, op, algorithm, root=root)
+    if comm.rank != root:
+        return None, how
+    if op is ReduceOp.AVG:
         space.finish(out.reshape(-1), op, comm.size)
-    return out
+    return out, how
 
 
 @verify.verified("alltoall")
@@ -775,7 +814,10 @@ def _run(
     # PYCOLL_ALGO is read when a call shape is first prepared (see select.py)
     key = (collective, algorithm, x.dtype, x.size, op, root, peer, input_blocks, blocks,
            nbytes, space, select.FORCED_SEGMENTS)
-    prepared = comm.prepared.get(key)
+    try:
+        prepared = comm.prepared.get(key)
+    except TypeError:  # an unhashable algorithm, which _prepare names
+        prepared = None
     if prepared is None:
         prepared = _prepare(comm, key)
     _execute(comm, prepared, x, work, tag, agreed=checking)

@@ -24,6 +24,9 @@ def _calls(nranks: int) -> list[tuple]:
         ("broadcast", None, 6), ("reduce", "avg", 4), ("allreduce", "max", 0),
         ("reduce_scatter", "prod", nranks), ("allgather", None, 1), ("reduce", "min", 1),
         ("allreduce", "sum", 1),
+        # past shared memory's one-shot sizes: its schedules
+        ("allreduce", "sum", 5000), ("reduce_scatter", "sum", 8200 * nranks),
+        ("allgather", None, 8200), ("broadcast", None, 8200), ("reduce", "max", 8200),
     ]):
         dtype = DTYPES[i % len(DTYPES)]
         for algorithm in ("auto", "ring"):
@@ -61,8 +64,15 @@ def _one(name, op, dtype, rows, algorithm, out, nranks, rank, seed):
     return got, oracle.reduce(inputs, op, root).reshape(rows, 2), given is None or got is given
 
 
+@pytest.fixture(params=["auto", "shm"])
+def transport(request, monkeypatch):
+    """The threads' rendezvous transport, and shared memory (whose small calls go through
+    its slots in one shot, and are remembered as such)."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", request.param)
+
+
 @pytest.mark.parametrize("nranks", [1, 2, 3, 5])
-def test_repeated_calls_match_the_oracle_every_time(nranks):
+def test_repeated_calls_match_the_oracle_every_time(nranks, transport):
     calls = _calls(nranks)
 
     def body():
@@ -90,7 +100,7 @@ def _error_of(fn):
     return "no error"
 
 
-def test_a_repeated_call_with_one_bad_argument_gets_the_first_calls_error():
+def test_a_repeated_call_with_one_bad_argument_gets_the_first_calls_error(transport):
     def body():
         x = np.arange(8, dtype=np.float32)
         grid = np.arange(16, dtype=np.float32).reshape(8, 2)
@@ -140,6 +150,7 @@ def test_a_repeated_call_with_one_bad_argument_gets_the_first_calls_error():
         "root True": "root=True is not a rank",
         "root True (reduce)": "root=True is not a rank",
         "op list": "[1]",
+        "algorithm list": "algorithm=['ring'] is not a name",
     }
     for name, text in expected.items():
         assert text in first[0][name], (name, first[0][name])
