@@ -1,14 +1,17 @@
-"""Python time of one small pycoll.allreduce with the transport taken away.
+"""Python time of one small collective with the transport taken away.
 
 A communicator over a transport that moves nothing isolates what pycoll itself costs per call
-(argument checks, the prepared-call lookup, the executor loop, the reduction of 2 floats):
+(argument checks, finding the prepared call, the executor loop, the reduction of 2 floats).
+Each figure is the lowest of ROUNDS rounds of 25 × 2000 calls, in thread time (a round that
+the shared machine slows down only raises its own figure):
 
-    python bench/call_overhead.py
+    python bench/call_overhead.py [ROUNDS]
 """
 
 from __future__ import annotations
 
-import statistics
+import sys
+import time
 import timeit
 
 import numpy as np
@@ -35,17 +38,33 @@ class NullTransport:
         pass
 
 
-def main() -> None:
-    comm = Communicator._over(NullTransport(), NullTransport())
+def calls(comm: Communicator) -> dict:
+    """8-byte calls of each collective, by name."""
     x = np.ones(2, np.float32)
-    out = np.empty_like(x)
-    for algorithm in ("direct", "ring", "auto"):
-        def call(algorithm=algorithm):
-            return pycoll.allreduce(x, out=out, comm=comm, algorithm=algorithm)
-        samples = [t / 10_000 * 1e6 for t in timeit.repeat(call, number=10_000, repeat=7)]
-        print(f"allreduce 8 B, 2 ranks, {algorithm:>6}: median {statistics.median(samples):.2f} us "
-              f"per call (7 repeats of 10000)")
+    out, half, gathered = np.empty_like(x), np.empty(1, np.float32), np.empty(4, np.float32)
+    return {
+        "allreduce (out given)": lambda: pycoll.allreduce(x, out=out, comm=comm),
+        "allreduce": lambda: pycoll.allreduce(x, comm=comm),
+        "allreduce ring": lambda: pycoll.allreduce(x, out=out, comm=comm, algorithm="ring"),
+        "reduce_scatter": lambda: pycoll.reduce_scatter(x, out=half, comm=comm),
+        "allgather": lambda: pycoll.allgather(x, out=gathered, comm=comm),
+        "broadcast": lambda: pycoll.broadcast(x, 0, comm=comm),
+        "reduce": lambda: pycoll.reduce(x, root=0, out=out, comm=comm),
+    }
+
+
+def main(rounds: int = 3) -> None:
+    comm = Communicator._over(NullTransport(), NullTransport())
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, call in calls(comm).items():
+            timer = timeit.Timer(call, timer=time.thread_time)
+            seconds = min(timer.repeat(number=2000, repeat=25)) / 2000
+            best[name] = min(best.get(name, seconds), seconds)
+    for name, seconds in best.items():
+        print(f"{name:>22}: {seconds * 1e6:6.2f} us per call (2 ranks, 8 B; lowest of {rounds} "
+              "rounds)")
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
