@@ -23,7 +23,7 @@ def _calls(nranks: int) -> list[tuple]:
         ("allreduce", "avg", 7), ("reduce_scatter", "avg", 3 * nranks), ("allgather", None, 5),
         ("broadcast", None, 6), ("reduce", "avg", 4), ("allreduce", "max", 0),
         ("reduce_scatter", "prod", nranks), ("allgather", None, 1), ("reduce", "min", 1),
-        ("allreduce", "sum", 1),
+        ("allreduce", "sum", 1), ("alltoall", None, 2 * nranks), ("alltoall", None, 0),
         # past shared memory's one-shot sizes: its schedules
         ("allreduce", "sum", 5000), ("reduce_scatter", "sum", 8200 * nranks),
         ("allgather", None, 8200), ("broadcast", None, 8200), ("reduce", "max", 8200),
@@ -31,7 +31,7 @@ def _calls(nranks: int) -> list[tuple]:
         dtype = DTYPES[i % len(DTYPES)]
         for algorithm in ("auto", "ring"):
             for out in ("new", "given", "in place"):
-                if out == "in place" and name not in ("allreduce", "reduce"):
+                if out == "in place" and name not in ("allreduce", "reduce", "alltoall"):
                     continue
                 calls.append((name, op, dtype, rows, algorithm, out))
     return calls
@@ -54,6 +54,10 @@ def _one(name, op, dtype, rows, algorithm, out, nranks, rank, seed):
         given = None if out == "new" else np.empty((rows * nranks, 2), dtype)
         got = pycoll.allgather(x, out=given, algorithm=algorithm)
         return got, oracle.allgather(inputs).reshape(-1, 2), given is None or got is given
+    if name == "alltoall":
+        given = {"new": None, "given": np.empty_like(x), "in place": x}[out]
+        got = pycoll.alltoall(x, out=given)
+        return got, oracle.alltoall(inputs)[rank].reshape(rows, 2), given is None or got is given
     if name == "broadcast":
         got = pycoll.broadcast(x, root, algorithm=algorithm)
         return got, inputs[root].reshape(rows, 2), got is x
@@ -113,6 +117,7 @@ def test_a_repeated_call_with_one_bad_argument_gets_the_first_calls_error(transp
             lambda: pycoll.allgather(x, out=np.empty(16, np.float32)),
             lambda: pycoll.broadcast(x.copy(), 1),
             lambda: pycoll.reduce(x, root=1, out=np.empty_like(x)),
+            lambda: pycoll.alltoall(x, out=np.empty_like(x)),
         ]
         for call in good * 2:  # remembered after the first round
             call()
@@ -120,8 +125,10 @@ def test_a_repeated_call_with_one_bad_argument_gets_the_first_calls_error(transp
             "strided x": lambda: pycoll.allreduce(grid[:, 0]),
             "strided x (reduce_scatter)": lambda: pycoll.reduce_scatter(grid[:, 0]),
             "strided x (allgather)": lambda: pycoll.allgather(grid[:, 0]),
+            "strided x (alltoall)": lambda: pycoll.alltoall(grid[:, 0]),
             "out dtype": lambda: pycoll.allreduce(x, out=np.empty(8, np.float64)),
             "out shape": lambda: pycoll.reduce_scatter(x, out=np.empty(5, np.float32)),
+            "out shape (alltoall)": lambda: pycoll.alltoall(x, out=np.empty(5, np.float32)),
             "out holds x": lambda: pycoll.allgather(wide[:8], out=wide),
             "out partly x": lambda: pycoll.allreduce(wide[:8], out=wide[4:12]),
             "read-only out": lambda: pycoll.allreduce(x, out=frozen),
@@ -141,6 +148,8 @@ def test_a_repeated_call_with_one_bad_argument_gets_the_first_calls_error(transp
         "strided x": "not C-contiguous",
         "strided x (reduce_scatter)": "not C-contiguous",
         "strided x (allgather)": "not C-contiguous",
+        "strided x (alltoall)": "not C-contiguous",
+        "out shape (alltoall)": "out.shape=(5,)",
         "out dtype": "out.dtype=float64",
         "out shape": "out.shape=(5,)",
         "out holds x": "out overlaps x; allowed: separate arrays",
