@@ -50,6 +50,7 @@ def calls(comm: Communicator) -> dict:
         "allgather": lambda: pycoll.allgather(x, out=gathered, comm=comm),
         "broadcast": lambda: pycoll.broadcast(x, 0, comm=comm),
         "reduce": lambda: pycoll.reduce(x, root=0, out=out, comm=comm),
+        "alltoall": lambda: pycoll.alltoall(x, out=out, comm=comm),
     }
 
 

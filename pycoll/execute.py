@@ -17,7 +17,7 @@ from typing import Any
 
 from pycoll.bindings.transport import CollectiveTimeout, Transport, WaitTimeout
 from pycoll.kernels.table import MAX_SOURCES
-from pycoll.schedule import Buffer, Layout, Recv, Schedule, Send, seeded_chunks
+from pycoll.schedule import Buffer, Layout, Recv, Schedule, Send, result_chunks, seeded_chunks
 from pycoll.spaces import HOST
 
 # reduce(dst, src): dst = dst (op) src; reduce(dst, src, first): dst = first (op) src
@@ -98,8 +98,8 @@ def compile_program(
 
     A seed copy is deferred until its chunk is first used: a chunk first reduced into combines
     INPUT with the incoming data directly (``Receive.fused``), a chunk first overwritten is
-    never copied at all; only chunks first sent, or never touched, are copied before the first
-    step.
+    never copied at all; only chunks first sent, or never touched and part of the rank's result
+    (``result_chunks``), are copied before the first step.
     """
     pending = {w: input_layout.chunk_range(i) for i, w in seeded_chunks(schedule, rank)}
     seeds: list[tuple[int, int, int, int]] = []
@@ -177,8 +177,10 @@ def compile_program(
             steps.append((tuple(receives), tuple(transmits)))
             groups.append(_reduce_groups(receives))
             numbers.append(index)
+    result = result_chunks(schedule, rank)
     for chunk in list(pending):  # never touched by a step: part of the result as seeded
-        materialize(chunk)
+        if chunk in result:  # (a chunk outside the result needs no copy: ReduceScatter's)
+            materialize(chunk)
     forwards = tuple(
         _forwards(steps[k], groups[k], steps[k + 1])
         if k + 1 < len(steps) and numbers[k + 1] == numbers[k] + 1 else ()

@@ -6,7 +6,7 @@ import pytest
 
 from pycoll import algorithms
 from pycoll.execute import compile_program
-from pycoll.schedule import Collective, Layout, Recv, Schedule, Send
+from pycoll.schedule import Collective, Layout, Recv, Schedule, Send, result_chunks
 
 
 def program(family, collective, nranks, rank, count=12, root=None):
@@ -34,6 +34,31 @@ def test_ring_allreduce_copies_only_the_chunk_it_sends_first():
 def test_a_one_rank_world_still_copies_its_result():
     compiled = program("ring", Collective.ALLREDUCE, 1, rank=0)
     assert compiled.steps == () and len(compiled.seeds) == 1
+
+
+def test_a_direct_reduce_scatter_copies_nothing_of_its_input():
+    # Rank 1's other blocks go out straight from INPUT and its own block is first reduced
+    # into (fused): nothing of INPUT is copied into WORK.
+    assert program("direct", Collective.REDUCE_SCATTER, 3, rank=1).seeds == ()
+
+
+@pytest.mark.parametrize("collective", [Collective.REDUCE_SCATTER, Collective.REDUCE,
+                                        Collective.ALLREDUCE, Collective.BROADCAST,
+                                        Collective.ALLGATHER, Collective.ALLTOALL])
+def test_a_seed_is_either_sent_from_work_or_part_of_the_result(collective):
+    # Copies no step reads and no result holds would be memory traffic for nothing.
+    for family in algorithms.families_for(collective):
+        for nranks in (1, 2, 3, 5):
+            schedule = algorithms.build(family, collective, nranks, 1, 0)
+            layout = Layout.even(24, schedule.nblocks, 1)
+            for rank in range(nranks):
+                compiled = compile_program(schedule, rank, layout, layout)
+                result = [layout.chunk_range(c) for c in result_chunks(schedule, rank)]
+                sent = [(t.start, t.stop) for _, transmits in compiled.steps for t in transmits
+                        if not t.from_input]
+                for *_, start, stop in compiled.seeds:
+                    inside = any(a <= start and stop <= b for a, b in result + sent)
+                    assert inside, (family, nranks, rank, (start, stop))
 
 
 def test_zero_length_chunks_drop_out_on_both_sides():
