@@ -98,8 +98,10 @@ def compile_program(
 
     A seed copy is deferred until its chunk is first used: a chunk first reduced into combines
     INPUT with the incoming data directly (``Receive.fused``), a chunk first overwritten is
-    never copied at all; only chunks first sent, or never touched and part of the rank's result
-    (``result_chunks``), are copied before the first step.
+    never copied at all, and a chunk sent while still unseeded is sent from INPUT (a whole
+    message of such chunks, ``_sent_from_seeds``); only chunks sent in a message that cannot,
+    or never touched and part of the rank's result (``result_chunks``), are copied before the
+    first step. A reducing collective's programs copy nothing of INPUT.
     """
     pending = {w: input_layout.chunk_range(i) for i, w in seeded_chunks(schedule, rank)}
     seeds: list[tuple[int, int, int, int]] = []
@@ -120,8 +122,10 @@ def compile_program(
         # extends (None: the message's earlier transfers were all empty)
         open_receive: dict[int, int | None] = {}
         open_transmit: dict[int, int | None] = {}
-        for transfer in step:  # sends read the step's starting state: materialize first
-            if isinstance(transfer, Send) and transfer.buffer is Buffer.WORK:
+        from_seed = _sent_from_seeds(step, rank, index, joined, pending)
+        for position, transfer in enumerate(step):  # sends read the step's starting state
+            if (isinstance(transfer, Send) and transfer.buffer is Buffer.WORK
+                    and position not in from_seed):
                 materialize(transfer.chunk)
         for position, transfer in enumerate(step):
             joins = (rank, index, position) in joined
@@ -151,6 +155,23 @@ def compile_program(
                 else:
                     joined_fused = None if fused is None else (before.fused[0], fused[1])
                 receives[at] = Receive(peer, before.start, stop, scratch, joined_fused)
+            elif position in from_seed:  # WORK's chunk is still INPUT's: send that
+                from_input = True
+                # INPUT's range, as long as WORK's: the messages are WORK's whatever INPUT's
+                # layout (some_rank_forwards compiles every rank with WORK's for both)
+                w0, w1 = work_layout.chunk_range(transfer.chunk)
+                start = pending[transfer.chunk][0]
+                stop = start + w1 - w0
+                if not joins:
+                    open_transmit[peer] = None
+                if stop == start:
+                    continue
+                at = open_transmit.get(peer)
+                if at is None:
+                    open_transmit[peer] = len(transmits)
+                    transmits.append(Transmit(peer, from_input, start, stop))
+                else:
+                    transmits[at] = Transmit(peer, from_input, transmits[at].start, stop)
             else:
                 from_input = transfer.buffer is Buffer.INPUT
                 layout = input_layout if from_input else work_layout
@@ -188,6 +209,32 @@ def compile_program(
     )
     return Program(tuple(seeds), tuple(steps), most, tuple(groups), forwards,
                    schedule.receives_then_sends)
+
+
+def _sent_from_seeds(step, rank: int, index: int, joined, pending: dict) -> set[int]:
+    """Positions of the step's sends from WORK that can read INPUT instead: whole messages
+    whose every chunk is still unseeded (WORK's chunk would be a copy of INPUT's), their INPUT
+    ranges consecutive. The seed then waits for the chunk's first use, and goes when that use
+    overwrites it or it is not part of the result."""
+    messages: dict[int, list[int]] = {}  # peer -> positions of its open message's sends
+    runs: list[list[int]] = []
+    for position, transfer in enumerate(step):
+        if not isinstance(transfer, Send):
+            continue
+        if (rank, index, position) in joined and transfer.peer in messages:
+            messages[transfer.peer].append(position)
+        else:
+            messages[transfer.peer] = [position]
+            runs.append(messages[transfer.peer])
+    from_seed: set[int] = set()
+    for run in runs:
+        chunks = [step[p].chunk for p in run]
+        if step[run[0]].buffer is not Buffer.WORK or any(c not in pending for c in chunks):
+            continue
+        ranges = [pending[c] for c in chunks]
+        if all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
+            from_seed.update(run)
+    return from_seed
 
 
 def some_rank_forwards(schedule: Schedule, work_layout: Layout) -> bool:

@@ -23,12 +23,23 @@ def test_one_shot_allreduce_fuses_the_seed_into_the_first_reduction():
     assert all(t.from_input for t in transmits)
 
 
-def test_ring_allreduce_copies_only_the_chunk_it_sends_first():
+def test_ring_allreduce_copies_nothing_of_its_input():
     compiled = program("ring", Collective.ALLREDUCE, 4, rank=0)
-    # Rank 0 sends one block raw in round 0; the other three are first reduced into, fused.
-    assert len(compiled.seeds) == 1
+    # Rank 0 sends one block raw in round 0, straight from INPUT (the block is overwritten
+    # later, so never copied); the other three are first reduced into, fused.
+    assert compiled.seeds == ()
+    (_, (first,)), *_ = compiled.steps
+    assert first.from_input
     fused = [r for receives, _ in compiled.steps for r in receives if r.fused is not None]
     assert len(fused) == 3
+
+
+def test_a_message_of_unseeded_chunks_goes_from_input_whole():
+    # Halving-doubling's first step sends half the array, several chunks in one message.
+    compiled = program("halving_doubling", Collective.ALLREDUCE, 4, rank=0, count=40)
+    (_, transmits), *_ = compiled.steps
+    assert [(t.from_input, t.stop - t.start) for t in transmits] == [(True, 20)]
+    assert compiled.seeds == ()
 
 
 def test_a_one_rank_world_still_copies_its_result():

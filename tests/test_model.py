@@ -162,8 +162,8 @@ def test_links_between_nodes_cost_their_own_class():
 
 def test_seed_copies_cost_delta_per_byte():
     copying = model.Topology(intra=model.Link(0.0, 0.0), gamma=0.0, delta=1.0)
-    # ring AllReduce copies only the block each rank sends first; AllGather its own shard
-    assert seconds("ring", Collective.ALLREDUCE, 4, 400, copying) == 100
+    # ring AllReduce copies nothing (its first send reads INPUT); AllGather its own shard
+    assert seconds("ring", Collective.ALLREDUCE, 4, 400, copying) == 0
     assert seconds("ring", Collective.ALLGATHER, 4, 400, copying) == 100
 
 
