@@ -155,27 +155,18 @@ def compile_program(
                 else:
                     joined_fused = None if fused is None else (before.fused[0], fused[1])
                 receives[at] = Receive(peer, before.start, stop, scratch, joined_fused)
-            elif position in from_seed:  # WORK's chunk is still INPUT's: send that
-                from_input = True
-                # INPUT's range, as long as WORK's: the messages are WORK's whatever INPUT's
-                # layout (some_rank_forwards compiles every rank with WORK's for both)
-                w0, w1 = work_layout.chunk_range(transfer.chunk)
-                start = pending[transfer.chunk][0]
-                stop = start + w1 - w0
-                if not joins:
-                    open_transmit[peer] = None
-                if stop == start:
-                    continue
-                at = open_transmit.get(peer)
-                if at is None:
-                    open_transmit[peer] = len(transmits)
-                    transmits.append(Transmit(peer, from_input, start, stop))
-                else:
-                    transmits[at] = Transmit(peer, from_input, transmits[at].start, stop)
             else:
-                from_input = transfer.buffer is Buffer.INPUT
-                layout = input_layout if from_input else work_layout
-                start, stop = layout.chunk_range(transfer.chunk)
+                if position in from_seed:  # WORK's chunk is still INPUT's: send that
+                    # INPUT's range, as long as WORK's: the messages are WORK's whatever
+                    # INPUT's layout (some_rank_forwards compiles every rank with WORK's)
+                    from_input = True
+                    w0, w1 = work_layout.chunk_range(transfer.chunk)
+                    start = pending[transfer.chunk][0]
+                    stop = start + w1 - w0
+                else:
+                    from_input = transfer.buffer is Buffer.INPUT
+                    layout = input_layout if from_input else work_layout
+                    start, stop = layout.chunk_range(transfer.chunk)
                 if not joins:
                     open_transmit[peer] = None
                 if stop == start:
