@@ -115,9 +115,11 @@ def corrupt_after_run(monkeypatch, bad_rank: int, first: int | None = None, time
     real_run = api.run
     left = {"runs": times}
 
-    def run(program, source, target, *args, **kwargs):
-        real_run(program, source, target, *args, **kwargs)
-        if (pycoll.world().rank == bad_rank and left["runs"] > 0
+    def run(program, source, target, transport, *args, **kwargs):
+        real_run(program, source, target, transport, *args, **kwargs)
+        # the transport's rank: an async call runs on a worker thread, where pycoll.world()
+        # is not the rank's communicator
+        if (transport.rank == bad_rank and left["runs"] > 0
                 and dtype in (None, target.dtype)):
             left["runs"] -= 1
             flat = target.reshape(-1)
