@@ -838,7 +838,8 @@ def _run(
 def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
              tag: int | None = None, agreed: bool = False) -> None:
     """Run a prepared call on this call's arrays (``x`` and ``work`` of the prepared shape)."""
-    if comm.check and not agreed and not comm.agreeing and not call.point_to_point:
+    p2p = call.collective is Collective.SENDRECV  # Send/Recv: no agreement, its own endpoint
+    if comm.check and not agreed and not comm.agreeing and not p2p:
         _agree(comm, call.collective, x, call.op, call.algorithm, call.blocks, call.root)
     if select.DEBUG and not comm.agreeing:  # the agreement's own exchange is not news
         select.report(call.plan, comm.rank)
@@ -852,13 +853,12 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
     tag = comm.next_tag() if tag is None else tag
     if space.is_device:  # Send/Recv: the endpoint to the one other rank of the pair
         try:
-            transport = comm.device_transport(space, (
-                (call.root if call.peer == comm.rank else call.peer) if call.point_to_point
-                else None))
+            transport = comm.device_transport(
+                space, (call.root if call.peer == comm.rank else call.peer) if p2p else None)
         except WaitTimeout as late:
             raise _timed_out(comm, f"{call.collective.value} (connecting)", late) from None
     else:
-        transport = comm.p2p if call.point_to_point else comm.host_transport()
+        transport = comm.p2p if p2p else comm.host_transport()
     program = call.program
     scratch = None
     if program.scratch_elements and not getattr(transport, "delivers", False):
@@ -898,7 +898,7 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
         raise _broken(comm, CollectiveTimeout(f"{what}: {late}")) from None
 
 
-def _prepare(comm: Communicator, key: tuple) -> tuple:
+def _prepare(comm: Communicator, key: tuple) -> PreparedCall:
     collective, algorithm, dtype, size, op, root, peer, input_blocks, blocks, nbytes, space = key[
         :11
     ]
@@ -939,7 +939,7 @@ def _prepare(comm: Communicator, key: tuple) -> tuple:
     comm.prepared[key] = prepared = PreparedCall(
         collective, algorithm, op, root, peer, blocks, space, plan, program, reduce, reduce_n,
         reduce_copy, copy_pair, comm.rank in schedule.input_read_late,
-        f"{collective.value} ({schedule.algorithm})", collective is Collective.SENDRECV)
+        f"{collective.value} ({schedule.algorithm})")
     return prepared
 
 
@@ -962,7 +962,6 @@ class PreparedCall:
     copy_pair: Any
     reads_input_late: bool  # the schedule reads INPUT after WORK changed
     what: str  # the collective and family, for a timeout's message
-    point_to_point: bool  # Send/Recv
 
 
 def _forwarding() -> bool:
