@@ -5,7 +5,10 @@
 # algorithm, with --check, and the ring AllReduce without forwarding (PYCOLL_FORWARD=0).
 # Results go to $OUT (the device tool's folder) or bench/results/gpu-raw.
 #   bash bench/fetch_wheels.sh   # here, with network: mpi4py, mpich, numpy wheels into .whl/
-#   bash bench/gpu_check.sh      # there
+#   bash bench/gpu_check.sh      # there (device run: carry .whl, timeout_s = GPU_CHECK_SECONDS + 60)
+# Steps run in order of what issue 4's bars need most: the IPC collectives (#wrong = 0), the
+# kernels' bandwidth, then the kernel tests, which take whatever time is left. After each step
+# $OUT holds an up-to-date gpu-summary.md, so a run cut short still says what it measured.
 # Wheels that the machine lacks travel with the tree in .whl/ (see the device notes).
 # The device tool brings back at most 8 files from $OUT, so $OUT gets 7: environment.txt,
 # gpu-tests.txt, kernels.txt, kernels.json, collectives.txt, collectives.tar.gz (the
@@ -18,15 +21,18 @@ python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 # One deadline for the whole script: each step's timeout is its own cap or what is left,
 # whichever is smaller, so a hanging step cannot push the later ones past 8 minutes.
-deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-450}))
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
 within() { local left=$((deadline - SECONDS)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 
 {
   echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
+  # compute_mode: EXCLUSIVE_PROCESS would refuse the second rank's context
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem,compute_mode \
     --format=csv 2>&1
+  echo "kernel $(uname -r)"  # 4.4.0: gVisor, where CUDA IPC has not been seen working
   "$python" --version
-  "$python" -m pip list 2>/dev/null | grep -iE "^(cupy|numba|numba-cuda|numpy|ml.dtypes|mpi4py) "
+  "$python" -m pip list 2>/dev/null | grep -iE \
+    "^(cupy[a-z0-9-]*|numba|numba-cuda|numpy|ml.dtypes|mpi4py|cuda-bindings|cuda-pathfinder|nvidia-cuda-(nvrtc|runtime)[a-z0-9-]*|nvidia-nvvm[a-z0-9-]*|pytest) "
 } | tee "$out/environment.txt"
 
 # pycoll itself, without touching the network or the machine's own packages; python -P
@@ -49,6 +55,8 @@ wheels=$("$python" -c "import sysconfig; print(sysconfig.get_path('purelib', \
   vars={'base': '$prefix', 'platbase': '$prefix'}))")
 export PYTHONPATH="$site:$wheels${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$prefix/bin:$PATH"  # mpiexec from the mpich wheel
+# the tests' launcher too (tests/test_mpi.py would take one beside the machine's python first)
+[ -x "$prefix/bin/mpiexec" ] && export MPIEXEC="$prefix/bin/mpiexec"
 export LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONSAFEPATH=1  # every python, MPI ranks too: the source tree must not shadow pycoll
 { command -v mpiexec; "$python" -c "from mpi4py import MPI; print(MPI.Get_library_version()[:40])"; \
@@ -57,12 +65,14 @@ export PYTHONSAFEPATH=1  # every python, MPI ranks too: the source tree must not
 # numba-cuda 0.30 cannot compile under numpy 2.5 (np.row_stack is gone; NVIDIA/numba-cuda#907,
 # not to be fixed): where the machine's pair fails, the numpy 2.4 wheel from .whl goes first
 # on the path (CuPy works with it), so that the Numba kernels are measured too.
+# numba-cuda finds libnvvm in wheels, then CUDA_HOME/CUDA_PATH: the image's toolkit, if unset.
+[ -z "${CUDA_HOME:-}${CUDA_PATH:-}" ] && [ -d /usr/local/cuda/nvvm ] && export CUDA_HOME=/usr/local/cuda
 numba_compiles() {
   timeout "$(within 60)" "$python" -P -c "
 from numba import cuda
 def one(x):
     x[0] = 1
-cuda.compile_ptx(one, 'void(float32[:])', cc=(9, 0))" >/dev/null 2>&1
+cuda.compile_ptx(one, 'void(float32[:])', cc=(9, 0))" >/dev/null 2>"$work/numba-compile.txt"
 }
 numpy_version() { "$python" -P -c "import numpy; print(numpy.__version__)" 2>/dev/null || echo "(none)"; }
 if ! numba_compiles; then
@@ -80,7 +90,8 @@ if ! numba_compiles; then
     said="numba-cuda cannot compile under numpy $numpy_here, with or without .whl's numpy:"
     said+=" the Numba kernels will fail"
   fi
-  echo "$said" | tee -a "$out/environment.txt"
+  { echo "$said"; echo "numba-cuda's last words:"; tail -n 5 "$work/numba-compile.txt"; } \
+    | tee -a "$out/environment.txt"
 fi
 
 # 0. Preflight, for reading a failed run: what CuPy and Numba see, and one tiny kernel each.
@@ -98,51 +109,88 @@ x = numba.cuda.to_device(numpy.arange(4.0))
 twice[1, 4](x)
 print('numba twice(arange(4)):', x.copy_to_host().tolist())
 " 2>&1 | tee -a "$out/environment.txt"
+# The launcher and the MPI library agree: two ranks of one world, not two worlds of one.
+timeout "$(within 30)" mpiexec -n 2 "$python" -P -c "
+from mpi4py import MPI
+print('mpiexec -n 2: rank', MPI.COMM_WORLD.rank, 'of', MPI.COMM_WORLD.size)" 2>&1 \
+  | tee -a "$out/environment.txt"
 
-# 1. The GPU tests (they skip only where no GPU is found; here none should skip). The
-# collectives first. The compile-only checks (nvcc, NVRTC for sm_80, Numba PTX, the
-# simulator, the CUDA C built for the CPU) run in CI without a GPU: left out here, they
-# would take over a minute of the 200 s.
-timeout "$(within 200)" "$python" -P -m pytest -q -rs -p no:cacheprovider \
-  -k "not nvcc and not nvrtc_compiles and not compile_to_ptx and not simulator_suite and not on-host" \
-  tests/test_gpu_collectives.py tests/test_kernels_cuda.py 2>&1 | tee "$out/gpu-tests.txt"
-tests_status=${PIPESTATUS[0]}
+# $OUT's page and the collectives' JSON, brought up to date after every step.
+report() {
+  echo "gpu tests exit ${collective_tests_status:--} (collectives)," \
+    "${kernel_tests_status:--} (kernels), kernel bench exit ${bench_status:--}," \
+    "collectives exit ${collectives_status:--}" > "$work/summary.txt"
+  cp "$out"/*.txt "$out"/kernels.json "$work"/ 2>/dev/null
+  "$python" bench/summarize_gpu.py "$work" > "$out/gpu-summary.md" 2>&1
+  if ls "$work"/*-[0-9]*.json >/dev/null 2>&1; then
+    # shellcheck disable=SC2046  # the names are ours: no spaces
+    tar -czf "$out/collectives.tar.gz" -C "$work" $(cd "$work" && ls -- *-[0-9]*.json)
+  fi
+}
 
-# 2. Each kernel's bandwidth (bytes read + written) against device copy and CuPy's add.
-timeout "$(within 150)" "$python" -P -m pycoll bench kernels -b 1M -e 1G -f 4 -d float32,bfloat16 \
-  --backend cupy,numba --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt"
-bench_status=${PIPESTATUS[0]}
+# pytest on FILE with at most CAP seconds: SIGINT at the cap, so pytest still prints its
+# failures and counts; a test stuck in CUDA gets its stack dumped at 60 s, and is killed 20 s
+# after the cap. Each file in a process of its own: a GPU fault poisons the process's context.
+gpu_tests() {  # CAP FILE
+  timeout -s INT -k 20 "$(within "$1")" "$python" -P -m pytest -q -rs -p no:cacheprovider \
+    -o faulthandler_timeout=60 \
+    -k "not nvcc and not nvrtc_compiles and not compile_to_ptx and not simulator_suite and not on-host" \
+    "$2" 2>&1 | tee -a "$out/gpu-tests.txt"
+  local status=${PIPESTATUS[0]}
+  echo "# $2: exit $status" | tee -a "$out/gpu-tests.txt"
+  return "$status"
+}
 
-# 3. Collectives between MPI ranks sharing the GPU over CUDA IPC, every algorithm, checked.
+# 1. The collectives' GPU tests (they skip only where no GPU is found; here none should
+# skip). The compile-only checks (nvcc, NVRTC for sm_80, Numba PTX, the simulator, the CUDA C
+# built for the CPU) run in CI without a GPU and are left out here.
+: > "$out/gpu-tests.txt"
+gpu_tests 90 tests/test_gpu_collectives.py
+collective_tests_status=$?
+report
+
+# 2. Collectives between MPI ranks sharing the GPU over CUDA IPC, every algorithm, checked.
+export PYCOLL_TIMEOUT=20  # a hung collective names its step and the rank it waited for
 collectives_status=0
 : > "$out/collectives.txt"
+bench_collective() {  # LABEL JSON_NAME RANKS COLLECTIVE [ARGS...]
+  local label=$1 name=$2 ranks=$3 collective=$4
+  shift 4
+  timeout "$(within 40)" mpiexec -n "$ranks" "$python" -P -m pycoll bench "$collective" \
+    --device cuda -b 64K -e 64M -f 4 -n 10 -w 3 --check 1 --json "$work/$name.json" "$@" 2>&1 \
+    | tee -a "$out/collectives.txt"
+  local status=${PIPESTATUS[0]}
+  echo "# $collective on $ranks ranks$label: exit $status" | tee -a "$out/collectives.txt"
+  return "$status"
+}
 for ranks in 2 4; do
   for collective in allreduce reduce_scatter allgather; do
-    timeout "$(within 45)" mpiexec -n "$ranks" "$python" -P -m pycoll bench "$collective" --device cuda \
-      --algorithm all -b 64K -e 64M -f 4 -n 10 -w 3 --check 1 \
-      --json "$work/$collective-$ranks.json" 2>&1 | tee -a "$out/collectives.txt"
-    status=${PIPESTATUS[0]}
-    echo "# $collective on $ranks ranks: exit $status" | tee -a "$out/collectives.txt"
-    [ "$status" -eq 0 ] || collectives_status=$status
+    bench_collective "" "$collective-$ranks" "$ranks" "$collective" --algorithm all \
+      || collectives_status=$?
   done
 done
-
-# 4. The ring's forwarding (reduce or copy and send in one pass) against two passes:
+# The ring's forwarding (reduce or copy and send in one pass) against two passes:
 # PYCOLL_FORWARD=0, the same run as allreduce-4's ring rows otherwise.
-timeout "$(within 45)" env PYCOLL_FORWARD=0 mpiexec -n 4 "$python" -P -m pycoll bench allreduce \
-  --device cuda --algorithm ring -b 64K -e 64M -f 4 -n 10 -w 3 --check 1 \
-  --json "$work/unforwarded-allreduce-4.json" 2>&1 | tee -a "$out/collectives.txt"
-status=${PIPESTATUS[0]}
-echo "# allreduce on 4 ranks, ring, PYCOLL_FORWARD=0: exit $status" | tee -a "$out/collectives.txt"
-[ "$status" -eq 0 ] || collectives_status=$status
-
-echo "gpu tests exit $tests_status, kernel bench exit $bench_status," \
-  "collectives exit $collectives_status" | tee "$work/summary.txt"
-# One page with issue 4's bars checked: commit it as bench/results/gpu-<device>.md.
-cp "$out"/*.txt "$out"/kernels.json "$work"/ 2>/dev/null
-"$python" bench/summarize_gpu.py "$work" > "$out/gpu-summary.md" 2>&1
-if ls "$work"/*-[0-9]*.json >/dev/null 2>&1; then
-  # shellcheck disable=SC2046  # the names are ours: no spaces
-  tar -czf "$out/collectives.tar.gz" -C "$work" $(cd "$work" && ls -- *-[0-9]*.json)
+PYCOLL_FORWARD=0 bench_collective ", ring, PYCOLL_FORWARD=0" unforwarded-allreduce-4 4 \
+  allreduce --algorithm ring || collectives_status=$?
+# Where IPC failed, the same collective staged through the host (no peer access): tells a
+# machine that refuses CUDA IPC (gVisor?) from a wrong schedule. Not part of the IPC bar.
+if [ "$collectives_status" -ne 0 ]; then
+  PYCOLL_DEVICE_TRANSPORT=staged bench_collective ", PYCOLL_DEVICE_TRANSPORT=staged" \
+    staged-allreduce-2 2 allreduce --algorithm all
 fi
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$collectives_status" -eq 0 ]
+report
+
+# 3. Each kernel's bandwidth (bytes read + written) against device copy and CuPy's add.
+timeout -s INT -k 10 "$(within 120)" "$python" -P -m pycoll bench kernels -b 1M -e 1G -f 4 \
+  -d float32,bfloat16 --backend cupy,numba --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt"
+bench_status=${PIPESTATUS[0]}
+report
+
+# 4. The kernels' GPU tests, every op and dtype on both backends: whatever time is left.
+gpu_tests 400 tests/test_kernels_cuda.py
+kernel_tests_status=$?
+report
+
+[ "$collective_tests_status" -eq 0 ] && [ "$kernel_tests_status" -eq 0 ] \
+  && [ "$bench_status" -eq 0 ] && [ "$collectives_status" -eq 0 ]

@@ -25,6 +25,14 @@ BAR_BYTES = 256 << 20
 BAR_OF_COPY = 0.90
 REDUCE_KERNELS = ("reduce", "reduce_pair", "reduce_n", "reduce_copy")
 UNFORWARDED = "unforwarded-"  # gpu_check.sh's run with PYCOLL_FORWARD=0
+STAGED = "staged-"  # its run through the host, made only where an IPC run failed
+# A run's JSON name prefix -> (what collectives.txt adds after "on N ranks", the table's
+# label, whether its #wrong counts toward the IPC bar)
+VARIANTS = {
+    "": ("", "", True),
+    UNFORWARDED: (", ring, PYCOLL_FORWARD=0", " (PYCOLL_FORWARD=0)", True),
+    STAGED: (", PYCOLL_DEVICE_TRANSPORT=staged", " (staged through the host, no IPC)", False),
+}
 
 
 def human(size: int) -> str:
@@ -88,14 +96,19 @@ def kernel_section(rows: list[dict]) -> list[str]:
 def run_exits(folder: Path) -> dict[str, int]:
     """Each collective run's exit status, from collectives.txt's closing lines, by the name
     of its JSON file without '.json' (124: stopped by gpu_check.sh's time limit)."""
+    prefix_of = {said: prefix for prefix, (said, _, _) in VARIANTS.items()}
     exits = {}
     for line in (_read(folder / "collectives.txt") or "").splitlines():
-        said = re.fullmatch(r"# (\w+) on (\d+) ranks(, ring, PYCOLL_FORWARD=0)?: exit (\d+)",
-                            line.strip())
-        if said:
-            name, ranks, unforwarded, status = said.groups()
-            exits[f"{UNFORWARDED if unforwarded else ''}{name}-{ranks}"] = int(status)
+        said = re.fullmatch(r"# (\w+) on (\d+) ranks(, [^:]*)?: exit (\d+)", line.strip())
+        if said and (said.group(3) or "") in prefix_of:
+            name, ranks, variant, status = said.groups()
+            exits[f"{prefix_of[variant or '']}{name}-{ranks}"] = int(status)
     return exits
+
+
+def _variant(name: str) -> str:
+    """The VARIANTS prefix of a run's name."""
+    return next((prefix for prefix in VARIANTS if prefix and name.startswith(prefix)), "")
 
 
 def collective_section(folder: Path) -> list[str]:
@@ -109,29 +122,30 @@ def collective_section(folder: Path) -> list[str]:
     lines += ["| collective | ranks | rows | #wrong | sizes | fastest at the largest size | exit |",
               "|---|---|---|---|---|---|---|"]
     total_wrong, unfinished = 0, []
+    staged = False
     for name in sorted(set(files) | set(exits)):
         rows = json.loads(files[name].read_text()) if name in files else []
         status = exits.get(name)
-        if status not in (None, 0, 1):  # 1: the run ended and some value was wrong
+        variant = _variant(name)
+        _, label, in_bar = VARIANTS[variant]
+        staged = staged or not in_bar
+        if in_bar and status not in (None, 0, 1):  # 1: the run ended and some value was wrong
             unfinished.append(name)
         said = "-" if status is None else str(status)
         if not rows:
-            collective, ranks = name.removeprefix(UNFORWARDED).rsplit("-", 1)
-            label = collective + (" (PYCOLL_FORWARD=0)" if name.startswith(UNFORWARDED) else "")
-            lines.append(f"| {label} | {ranks} | 0 | - | - | - | {said} |")
+            collective, ranks = name.removeprefix(variant).rsplit("-", 1)
+            lines.append(f"| {collective}{label} | {ranks} | 0 | - | - | - | {said} |")
             continue
         wrong = sum(r["wrong"] for r in rows)
-        total_wrong += wrong
+        total_wrong += wrong if in_bar else 0
         largest = max(r["size"] for r in rows)
         at_largest = [r for r in rows if r["size"] == largest and r["algorithm"] != "auto"]
         fastest = min(at_largest, key=lambda r: r["time_us"]) if at_largest else None
         best = (f"{fastest['algorithm']} ({fastest['busbw']:.1f} GB/s busbw)"
                 if fastest else "-")
         sizes = f"{human(min(r['size'] for r in rows))} .. {human(largest)}"
-        label = rows[0]["collective"] + (" (PYCOLL_FORWARD=0)"
-                                         if name.startswith(UNFORWARDED) else "")
-        lines.append(f"| {label} | {rows[0]['nranks']} | {len(rows)} | {wrong} | "
-                     f"{sizes} | {best} | {said} |")
+        lines.append(f"| {rows[0]['collective']}{label} | {rows[0]['nranks']} | {len(rows)} | "
+                     f"{wrong} | {sizes} | {best} | {said} |")
     if total_wrong == 0 and unfinished:
         said = ", ".join(f"{name}: exit {exits[name]}" for name in unfinished)
         verdict = (f"not shown: {len(unfinished)} run(s) did not finish ({said}; exit 124 is "
@@ -140,6 +154,11 @@ def collective_section(folder: Path) -> list[str]:
         verdict = _verdict(total_wrong == 0)
     lines += ["", f"Bar, every multi-rank IPC collective #wrong = 0: {verdict}"
                   f" ({total_wrong} wrong values in all).", ""]
+    if staged:
+        lines += ["An IPC run failed, so gpu_check.sh ran AllReduce staged through the host "
+                  "(PYCOLL_DEVICE_TRANSPORT=staged, no peer access) as well: not part of the "
+                  "bar; it tells a machine that refuses CUDA IPC from a wrong schedule (see "
+                  "collectives.txt for the IPC runs' errors).", ""]
     return lines
 
 
@@ -167,6 +186,26 @@ def forward_section(folder: Path) -> list[str]:
                         "after the other on the same GPU.", ""]
 
 
+def _test_results(tests: str | None) -> list[str]:
+    """Each pytest run's count line ("N passed, ... in Ts"; its last line where the run was
+    cut before it), then gpu_check.sh's exit line for that run."""
+    if tests is None:
+        return ["(no gpu-tests.txt)"]
+    said: list[str] = []
+    counts = last = None
+    for line in filter(str.strip, tests.splitlines()):
+        if re.fullmatch(r"# \S+: exit \d+", line.strip()):
+            said += [counts or last or "(no output)", line]
+            counts = last = None
+        else:
+            last = line
+            if re.search(r"\b\d+ (passed|failed|errors?)\b", line):
+                counts = line
+    if last is not None:  # a run with no exit line yet
+        said.append(counts or last)
+    return said or ["(gpu-tests.txt is empty)"]
+
+
 def main(folder: str) -> str:
     root = Path(folder)
     environment = _read(root / "environment.txt") or "(no environment.txt)\n"
@@ -181,11 +220,8 @@ def main(folder: str) -> str:
     summary = _read(root / "summary.txt")
     lines += ["## Steps", "", "```", (summary or "(no summary.txt: the script did not finish)")
               .strip(), "```", ""]
-    tests = _read(root / "gpu-tests.txt")
-    last = [line for line in (tests or "").splitlines() if line.strip()]
-    said = last[-1] if last else ("(gpu-tests.txt is empty)" if tests is not None
-                                  else "(no gpu-tests.txt)")
-    lines += ["## GPU tests", "", "```", said, "```", ""]
+    lines += ["## GPU tests", "", "```", *_test_results(_read(root / "gpu-tests.txt")), "```",
+              ""]
     kernels = root / "kernels.json"
     lines += (kernel_section(json.loads(kernels.read_text())) if kernels.exists()
               else ["## Kernels", "", "No kernels.json.", ""])

@@ -177,8 +177,14 @@ def run(sizes: list[int], dtypes: list[str], backends: list[str], op: str = "sum
     l2_bytes = _l2_bytes(cupy)
     for dtype in checked:
         for size in sizes:
-            _measure(cupy, dtype, max(size // dtype.itemsize, 1), backends, reduce_op,
-                     repeats, batch, spin, l2_bytes, emit)
+            n = max(size // dtype.itemsize, 1)
+            try:
+                _measure(cupy, dtype, n, backends, reduce_op, repeats, batch, spin, l2_bytes,
+                         emit)
+            except Exception as error:  # the buffers or the copy baseline (out of memory, a
+                # fill CuPy refuses): that size's copy row says so, and the other sizes still run
+                emit(KernelRow(n * dtype.itemsize, dtype.name, "copy", "cuda", math.nan,
+                               math.nan, None, None, f"{type(error).__name__}: {error}"))
             cupy.get_default_memory_pool().free_all_blocks()
     return rows
 

@@ -435,3 +435,30 @@ def test_a_spin_kernel_that_does_not_compile_stops_the_run_plainly(fake_gpu, mon
     assert main(["bench", "kernels", "-b", "1M", "-e", "1M"]) == 2
     assert ("pycoll bench kernels: the timing spin kernel failed: CompileException: cannot "
             "open source file cuda_fp16.h") in capsys.readouterr().err
+
+
+def test_a_size_whose_buffers_fail_is_a_row_and_the_other_sizes_still_run(fake_gpu, monkeypatch,
+                                                                          capsys):
+    """An error outside the kernels (allocating the buffers, the copy baseline: out of memory,
+    a fill CuPy refuses) is that size's copy row; the run goes on, and fails at the end."""
+    measured: list[tuple[str, int]] = []
+
+    def fake_measure(cupy, dtype, n, backends, op, repeats, batch, spin, l2, emit):
+        nbytes = n * dtype.itemsize
+        if dtype.name == "bfloat16" and nbytes == 4 * MiB:
+            raise MemoryError("Out of memory allocating 4,194,304 bytes")
+        measured.append((dtype.name, nbytes))
+        emit(KernelRow(nbytes, dtype.name, "copy", "cuda", 10.0, 200.0, 1.0, None))
+
+    monkeypatch.setattr(bench_kernels, "_measure", fake_measure)
+    assert main(["bench", "kernels", "-b", "1M", "-e", "16M", "-f", "4", "-d",
+                 "float32,bfloat16", "--json", "-"]) == 1
+    assert measured == [("float32", MiB), ("float32", 4 * MiB), ("float32", 16 * MiB),
+                        ("bfloat16", MiB), ("bfloat16", 16 * MiB)]
+    captured = capsys.readouterr()
+    assert "pycoll bench kernels: failed: copy/cuda" in captured.err
+    rows = json.loads("[" + captured.out.partition("\n[")[2])
+    [failed] = [r for r in rows if "error" in r]
+    assert (failed["size"], failed["dtype"], failed["kernel"]) == (4 * MiB, "bfloat16", "copy")
+    assert failed["error"] == "MemoryError: Out of memory allocating 4,194,304 bytes"
+    assert failed["time_us"] is None

@@ -86,6 +86,7 @@ def test_mpi_ranks_over_cuda_ipc(nranks):
     done = launch(nranks, "-m", "mpi4py", str(HERE / "device.py"), "cuda")
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
+    assert f"device collectives on {nranks} ranks:" in output, output  # not singletons
     assert ", 0 failed" in output
 
 
@@ -95,6 +96,7 @@ def test_mpi_ranks_staged_through_the_host(monkeypatch):
     done = launch(2, "-m", "mpi4py", str(HERE / "device.py"), "cuda")
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
+    assert "device collectives on 2 ranks:" in output, output
     assert ", 0 failed" in output
 
 

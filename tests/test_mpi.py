@@ -18,8 +18,11 @@ HERE = Path(__file__).parent / "mpi"
 
 
 def mpiexec() -> str:
+    """$MPIEXEC if set (bench/gpu_check.sh names the carried MPICH's, which the mpi4py it
+    puts first was built for), else the one beside this Python (the test extra's), else PATH's."""
     beside_python = Path(sys.executable).parent / "mpiexec"
-    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    found = os.environ.get("MPIEXEC") or (
+        str(beside_python) if beside_python.exists() else shutil.which("mpiexec"))
     if found is None:
         pytest.fail("mpiexec not found: install the test extra (pip install -e '.[test]')")
     return found

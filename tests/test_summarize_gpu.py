@@ -13,6 +13,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("summarize_gpu", ROOT / "bench/summarize_gpu.py")
 summarize_gpu = importlib.util.module_from_spec(_spec)
@@ -103,23 +105,35 @@ def test_the_ring_with_and_without_its_reduce_and_forward(tmp_path):
         summarize_gpu.main(str(alone)))
 
 
-def test_gpu_check_brings_back_at_most_8_files(tmp_path):
+@pytest.mark.parametrize("ipc_fails", [False, True])
+def test_gpu_check_brings_back_at_most_8_files(tmp_path, ipc_fails):
     """The device tool returns at most 8 files from $OUT, named in letters, digits, '.', '_'
     and '-', at most 2 folders down: gpu_check.sh must fit, its page and the collectives' JSON
-    included. mpiexec is a stand-in that writes one row where --json says (no GPU here)."""
+    included. mpiexec is a stand-in that writes one row where --json says (no GPU here), or,
+    with ``ipc_fails``, fails every run not staged through the host, as a machine that
+    refuses CUDA IPC would: then one staged AllReduce runs too, outside the IPC bar."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     row = json.dumps([collective("allreduce", 2, MiB, "ring", 9)])
-    (bin_dir / "mpiexec").write_text(
-        "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --json ] && "
-        f"echo '{row}' > \"$2\"; shift; done\nexit 0\n")
+    out = tmp_path / "out"
+    calls = tmp_path / "calls.txt"
+    (bin_dir / "mpiexec").write_text(f"""#!/bin/sh
+# which step this is, and whether $OUT already held a page (written after the step before)
+for a in "$@"; do [ "$a" = --json ] && json=1; done
+[ -n "$json" ] || exit 0
+[ -f "{out}/gpu-summary.md" ] && page=page || page=none
+echo "${{PYCOLL_DEVICE_TRANSPORT:-ipc}} $page" >> "{calls}"
+[ "{int(ipc_fails)}" = 1 ] && [ "$PYCOLL_DEVICE_TRANSPORT" != staged ] && exit 3
+while [ $# -gt 0 ]; do [ "$1" = --json ] && echo '{row}' > "$2"; shift; done
+exit 0
+""")
     (bin_dir / "mpiexec").chmod(0o755)
     tree = tmp_path / "tree"  # the source tree without .whl/ (whose mpiexec would come first)
     for part in ("bench", "pycoll", "kernels", "bindings", "tests"):
         shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
-    out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "GPU_CHECK_SECONDS": "1", "PYTHON": sys.executable,
            "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("PYCOLL_DEVICE_TRANSPORT", None)
     run = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=tree, env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode != 0, run.stdout  # no GPU: the tests and the kernel bench fail
@@ -127,13 +141,29 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     assert 0 < len(files) <= 8, files
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", p.name) for p in files), files
     assert all(len(p.relative_to(out).parts) <= 3 for p in files), files
+    # the page was written after the tests' step, before the first collective ran
+    made = calls.read_text().split("\n")[:-1]
+    assert made == ["ipc page"] * 7 + (["staged page"] if ipc_fails else []), made
     page = (out / "gpu-summary.md").read_text()
-    assert "| allreduce | 2 | 1 | 0 |" in page, page
+    # each test file's run, with its exit
+    assert "# tests/test_gpu_collectives.py: exit " in page, page
+    assert "# tests/test_kernels_cuda.py: exit " in page, page
+    ipc_runs = [f"{c}-{n}.json" for n in (2, 4) for c in ("allreduce", "reduce_scatter",
+                                                          "allgather")]
+    ipc_runs.append("unforwarded-allreduce-4.json")
+    if ipc_fails:
+        assert "| allreduce (staged through the host, no IPC) | 2 | 1 | 0 |" in page, page
+        assert "| allreduce | 2 | 0 | - | - | - | 3 |" in page, page
+        assert "IPC collective #wrong = 0: not shown: 7 run(s) did not finish" in page, page
+        assert "An IPC run failed, so gpu_check.sh ran AllReduce staged" in page
+        archived = ["staged-allreduce-2.json"]
+    else:
+        assert "| allreduce | 2 | 1 | 0 |" in page, page
+        assert "staged" not in page
+        archived = ipc_runs
     with tarfile.open(out / "collectives.tar.gz") as archive:
         names = sorted(Path(name).name for name in archive.getnames())
-    assert names == sorted([f"{c}-{n}.json" for n in (2, 4)
-                            for c in ("allreduce", "reduce_scatter", "allgather")]
-                           + ["unforwarded-allreduce-4.json"]), names
+    assert names == sorted(archived), names
 
 
 def test_a_collective_run_stopped_by_the_time_limit_keeps_the_bar_from_being_met(tmp_path):
