@@ -727,7 +727,9 @@ def _out(out, x, shape, collective, may_alias=False) -> Array:
         return space_of(x).empty(shape, x.dtype)  # x was checked; this is its space
     if (type(out) is np.ndarray and type(x) is np.ndarray and out.dtype == x.dtype
             and out.shape == shape and out.flags.c_contiguous and out.flags.writeable
-            and ((may_alias and out is x) or not np.may_share_memory(out, x))):
+            and ((may_alias and out is x)
+                 or (out is not x and ((out.base is None and x.base is None)  # own memory
+                                       or not np.may_share_memory(out, x))))):
         return out  # the common case, in few steps: a separate numpy array that fits, or x
     space = space_of(x)
     if _space(out, collective, "out") is not space:

@@ -687,7 +687,11 @@ def _local(world: LocalWorld, rank: int) -> Communicator:
     )
 
 
-_default = threading.local()
+class _ThreadDefault(threading.local):
+    comm: Communicator | None = None  # a class default: a missing thread-local is slow to read
+
+
+_default = _ThreadDefault()
 _process_world: Communicator | None = None
 
 
@@ -697,7 +701,7 @@ def world() -> Communicator:
     Inside :func:`run_local`, the thread's own; in a process launched by ``mpiexec``,
     ``MPI.COMM_WORLD``; otherwise a world of one rank.
     """
-    comm = getattr(_default, "comm", None)
+    comm = _default.comm
     if comm is not None:
         return comm
     global _process_world
