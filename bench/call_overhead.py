@@ -5,7 +5,9 @@ A communicator over a transport that moves nothing isolates what pycoll itself c
 Each figure is the lowest of ROUNDS rounds of 25 × 2000 calls, in thread time (a round that
 the shared machine slows down only raises its own figure):
 
-    python bench/call_overhead.py [ROUNDS]
+    python bench/call_overhead.py [ROUNDS] [--layers]
+
+``--layers`` times one AllReduce entered at each layer of pycoll instead, outermost first.
 """
 
 from __future__ import annotations
@@ -54,11 +56,37 @@ def calls(comm: Communicator) -> dict:
     }
 
 
-def main(rounds: int = 3) -> None:
+def layers(comm: Communicator) -> dict:
+    """The 8-byte AllReduce (out given) entered at each layer, outermost first: what each
+    layer adds is its time less the next one's (these are pycoll's private functions)."""
+    from pycoll import api, execute
+
+    x = np.ones(2, np.float32)
+    out = np.empty_like(x)
+    pycoll.allreduce(x, out=out, comm=comm)  # remembered from here on
+    key = (api._KNOWN, "allreduce", x.dtype, x.shape, "sum", "auto", None)
+    _, call = comm.prepared[key]
+    transport, program = comm.host_transport(), call.program
+    scratch = comm.buffer("scratch", program.scratch_elements, x.dtype, call.space)
+    into, count = scratch[: x.size], comm.traffic.add
+    return {
+        "public call": lambda: pycoll.allreduce(x, out=out, comm=comm),
+        "api._execute": lambda: api._execute(comm, call, x, out),
+        "execute.run": lambda: execute.run(program, x, out, transport, 1, call.reduce,
+                                           call.space, scratch, call.what, count),
+        "execute._run_steps": lambda: execute._run_steps(program, x, out, transport, 1,
+                                                         call.reduce, call.space, scratch,
+                                                         [0], count),
+        "sendrecv + reduce": lambda: (transport.sendrecv(x, 1, into, 1, 1),
+                                      call.reduce(out, into, x)),
+    }
+
+
+def main(rounds: int = 3, which: str = "calls") -> None:
     comm = Communicator._over(NullTransport(), NullTransport())
     best: dict[str, float] = {}
     for _ in range(rounds):
-        for name, call in calls(comm).items():
+        for name, call in (layers if which == "--layers" else calls)(comm).items():
             timer = timeit.Timer(call, timer=time.thread_time)
             seconds = min(timer.repeat(number=2000, repeat=25)) / 2000
             best[name] = min(best.get(name, seconds), seconds)
@@ -68,4 +96,4 @@ def main(rounds: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3, *sys.argv[2:3])

@@ -150,7 +150,7 @@ collective_tests_status=$?
 report
 
 # 2. Collectives between MPI ranks sharing the GPU over CUDA IPC, every algorithm, checked.
-export PYCOLL_TIMEOUT=20  # a hung collective names its step and the rank it waited for
+export PYCOLL_TIMEOUT=30  # a hung collective names its step and the rank it waited for (under the 40 s cap)
 collectives_status=0
 : > "$out/collectives.txt"
 bench_collective() {  # LABEL JSON_NAME RANKS COLLECTIVE [ARGS...]

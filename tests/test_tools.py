@@ -168,3 +168,35 @@ def test_compare_says_when_auto_took_the_one_shot(monkeypatch, tmp_path, capsys)
     row = next(line for line in capsys.readouterr().out.splitlines()
                if line.startswith("| 64 B"))
     assert "| one-shot |" in row and "(-)" in row
+
+
+def test_the_small_call_scripts_run(capsys):
+    """bench/call_overhead.py (every collective, and one AllReduce layer by layer) and
+    bench/back_to_back.py (under mpiexec) print a time for each of their rows."""
+    import os
+    import re
+    import runpy
+    import subprocess
+    import sys
+
+    from test_mpi import mpiexec
+
+    bench = Path(__file__).parent.parent / "bench"
+    main_of = runpy.run_path(str(bench / "call_overhead.py"))["main"]
+    main_of(1)
+    main_of(1, "--layers")
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split(":")[0].strip() for line in lines]
+    assert names[:2] == ["allreduce (out given)", "allreduce"] and "alltoall" in names
+    assert names[-5:] == ["public call", "api._execute", "execute.run", "execute._run_steps",
+                          "sendrecv + reduce"]
+    assert all(re.search(r": +\d+\.\d\d us per call", line) for line in lines)
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, str(bench / "back_to_back.py"), "1"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYCOLL_HOST_TRANSPORT": "mpi"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = re.findall(r"^ *(native|pycoll|Sendrecv \+ add): +\d+\.\d\d us +\((\d+\.\d\d) x native",
+                      done.stdout, re.M)
+    assert [name for name, _ in rows] == ["native", "pycoll", "Sendrecv + add"], done.stdout
+    assert rows[0][1] == "1.00"
