@@ -513,13 +513,14 @@ def send(
     buffered it (a short message, as MPI_Send may). Programs must not rely on either."""
     if async_op:
         return _submit(send, "send", x, dst, tag, comm=comm, stream=stream,
-                       lane=_lane("send", dst))
-    comm = _comm(comm, drain=False)  # Send/Recv are ordered per peer, not with collectives
+                       lane=_lane("send", dst, tag, x))
+    comm = _comm(comm, drain=False)  # Send/Recv are ordered per lane, not with collectives
     space = _space(x, "send")
     dst = _peer(dst, comm, "send", "dst")
-    comm.drain(("send", dst))
+    tag = _tag(tag, "send")
+    comm.drain(_lane("send", dst, tag, x))
     with space.using(stream):
-        _point_to_point(comm, x, x, comm.rank, dst, _tag(tag, "send"))
+        _point_to_point(comm, x, x, comm.rank, dst, tag)
 
 
 def recv(
@@ -529,14 +530,15 @@ def recv(
     """Receive into ``out`` what rank ``src`` sends with ``tag``; returns ``out``."""
     if async_op:
         return _submit(recv, "recv", out, src, tag, comm=comm, stream=stream,
-                       lane=_lane("recv", src))
+                       lane=_lane("recv", src, tag, out))
     comm = _comm(comm, drain=False)
     space = _space(out, "recv", "out")
     _writable(out, "out", "recv")
     src = _peer(src, comm, "recv", "src")
-    comm.drain(("recv", src))
+    tag = _tag(tag, "recv")
+    comm.drain(_lane("recv", src, tag, out))
     with space.using(stream):
-        _point_to_point(comm, out, out, src, comm.rank, _tag(tag, "recv"))
+        _point_to_point(comm, out, out, src, comm.rank, tag)
     return out
 
 
@@ -619,10 +621,18 @@ def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs:
     return comm.submit(fn, what, *args, comm=comm, **kwargs)
 
 
-def _lane(direction: str, peer: Any) -> tuple[str, int]:
-    """The async worker of Send/Recv with ``peer`` (a bad peer's error comes at wait())."""
-    valid = isinstance(peer, int | np.integer) and not isinstance(peer, bool)
-    return direction, int(peer) if valid else -1
+def _lane(direction: str, peer: Any, tag: Any, x: Any) -> tuple[str, int, int]:
+    """The async worker of Send/Recv with ``peer`` on ``tag``; calls on one lane run in call
+    order. Host arrays get a lane per tag, since MPI matches messages by tag: a receive
+    posted for one tag holds back no message of another. Device arrays get one per peer
+    (tag -1): a pair's device endpoint takes one receive at a time, so post them in the
+    order the peer sends. A bad peer's or tag's error comes at wait()."""
+
+    def number(value: Any) -> int:
+        valid = isinstance(value, int | np.integer) and not isinstance(value, bool)
+        return int(value) if valid else -1
+
+    return direction, number(peer), number(tag) if isinstance(x, np.ndarray) else -1
 
 
 def _on_device(fn: Any, space: Any, device: Any) -> Any:

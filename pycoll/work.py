@@ -4,7 +4,7 @@ Each communicator runs its async collectives one after another, in the order the
 called, on a worker thread of its own, so async collectives on different communicators overlap
 each other and the caller's own work. A blocking call on a communicator first lets its queued
 async collectives finish, so every rank still sees one order per communicator. Async Send/Recv
-have a worker per direction and peer (``Communicator.submit``'s lanes).
+have a worker per direction, peer and tag (``Communicator.submit``'s lanes).
 
 The contract is the seed's completion rule: until ``wait()`` returns, the output may not be
 read and the input may not be changed.
@@ -88,6 +88,11 @@ class AsyncQueue:
     @property
     def busy(self) -> bool:
         return bool(self._in_flight)
+
+    @property
+    def idle(self) -> bool:
+        """Whether everything submitted has finished."""
+        return all(future.done() for future in self._in_flight)
 
     def close(self) -> None:
         """Let the worker thread end (after its queued work); no more work may come."""

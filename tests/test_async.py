@@ -161,6 +161,64 @@ def test_async_send_and_recv_post_like_irecv_and_isend(nranks):
         assert small == big == (rank - 1) % nranks
 
 
+@pytest.mark.parametrize("blocking_second", [False, True])
+def test_receives_posted_out_of_tag_order_match_by_tag(blocking_second):
+    """As MPI matches by tag: receives posted for tags 2 then 1 take sends of tags 1 then 2,
+    each waiting for its receive (in-process sends do), with the second send async or
+    blocking. One worker per direction and peer ran them in call order: a deadlock."""
+    n = 1 << 10
+
+    def body():
+        rank = pycoll.world().rank
+        if rank == 0:
+            first = pycoll.send(np.full(n, 1.0), 1, tag=1, async_op=True)
+            if blocking_second:
+                pycoll.send(np.full(n, 2.0), 1, tag=2)
+            else:
+                pycoll.send(np.full(n, 2.0), 1, tag=2, async_op=True).wait()
+            first.wait()
+            return None
+        second, first = np.empty(n), np.empty(n)
+        waiting = [pycoll.recv(second, 0, tag=2, async_op=True),
+                   pycoll.recv(first, 0, tag=1, async_op=True)]
+        for work in waiting:
+            work.wait()
+        return first[-1], second[-1]
+
+    assert pycoll.run_local(2, body)[1] == (1.0, 2.0)
+
+
+def test_idle_send_and_recv_workers_end_beyond_the_kept_number(monkeypatch):
+    import threading
+
+    from pycoll import comm as comm_module
+
+    monkeypatch.setattr(comm_module, "LANES_KEPT", 4)
+
+    def body():
+        comm = pycoll.world()
+        peer = 1 - comm.rank
+        workers: dict[int, threading.Thread] = {}  # by id: a dead thread's ident is reused
+        for tag in range(10):  # a lane per tag, each idle once its message is in
+            got = np.empty(2)
+            sending = pycoll.send(np.full(2, float(tag)), peer, tag=tag, async_op=True)
+            receiving = pycoll.recv(got, peer, tag=tag, async_op=True)
+            sending.wait()
+            receiving.wait()
+            assert got[0] == tag
+            assert len(comm.lanes) <= 4 + 1  # the kept ones, then the one just made
+            threads = {t.ident: t for t in threading.enumerate()}
+            workers |= {id(threads[q.worker]): threads[q.worker] for q in comm.lanes.values()}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if sum(t.is_alive() for t in workers.values()) <= 4 + 1:
+                return len(workers) == 20  # a worker per direction and tag
+            time.sleep(0.01)
+        return False
+
+    assert pycoll.run_local(2, body) == [True, True]
+
+
 def test_async_sends_to_one_peer_arrive_in_call_order():
     def body():
         rank = pycoll.world().rank

@@ -1,5 +1,6 @@
 """Run under mpiexec: async collectives on two communicators overlap; both results right;
-async Send/Recv post like MPI's Irecv/Isend (no send waits behind a receive)."""
+async Send/Recv post like MPI's Irecv/Isend (no send waits behind a receive, nor a receive
+behind one of another tag)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ sending = pycoll.send(np.full(1 << 20, float(RANK)), right, tag=8, async_op=True
 pycoll.recv(got_big, left, tag=8)
 sending.wait()
 ok += int(got[0] == left and got_big[-1] == left)
+# Tags as MPI matches them: receives posted for tags 2 then 1 take the sends of tags 1 then 2
+# (messages large enough to wait for their receive), async or a blocking send after an async one.
+first_tag, second_tag = np.empty(1 << 20), np.empty(1 << 20)
+second = pycoll.recv(second_tag, left, tag=2, async_op=True)
+first = pycoll.recv(first_tag, left, tag=1, async_op=True)
+sending = pycoll.send(np.full(1 << 20, 1.0 + RANK), right, tag=1, async_op=True)
+pycoll.send(np.full(1 << 20, 2.0 + RANK), right, tag=2)
+sending.wait()
+second.wait()
+first.wait()
+ok += int(first_tag[-1] == 1.0 + left and second_tag[-1] == 2.0 + left)
 total = int(pycoll.allreduce(np.array([ok]))[0])
 if RANK == 0:
-    print(f"async on {P} ranks: {total} of {4 * P} right", flush=True)
+    print(f"async on {P} ranks: {total} of {5 * P} right", flush=True)
