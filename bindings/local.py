@@ -37,7 +37,14 @@ class _Request:
 
     def describe(self) -> str:
         verb = "send to" if self.kind == "send" else "receive from"
-        return f"{verb} rank {self.peer} (tag {self.tag}, {self.buf.size} elements)"
+        return f"{verb} rank {self.peer} (tag {self.tag}, {self.buf.nbytes} bytes)"
+
+
+def _bytes_of(buf: np.ndarray) -> np.ndarray:
+    """A flat byte view of a contiguous array (what the executor hands a transport)."""
+    if not buf.flags.c_contiguous:  # reshape would copy, and a receive would fill the copy
+        raise ValueError(f"a message buffer must be contiguous; got strides {buf.strides}")
+    return buf.reshape(-1).view(np.uint8)
 
 
 class LocalWorld:
@@ -114,19 +121,24 @@ class LocalWorld:
             mine, theirs = self._unmatched_recvs, self._unmatched_sends
         with self._lock:
             self._raise_if_failed(request.rank)
-            if not theirs[key]:
+            waiting = theirs.get(key)
+            if not waiting:
                 mine[key].append(request)
                 return request
-            partner = theirs[key].popleft()
+            partner = waiting.popleft()
+            if not waiting:  # a key per tag ever used would pile up
+                del theirs[key]
         # Copy outside the lock so that copies between other pairs run concurrently.
         send, recv = (request, partner) if request.kind == "send" else (partner, request)
         try:
-            if send.buf.size != recv.buf.size:
+            if send.buf.nbytes != recv.buf.nbytes:
                 raise ValueError(
-                    f"rank {send.rank} sends {send.buf.size} elements to rank {recv.rank}, "
-                    f"which expects {recv.buf.size} (tag {send.tag}); the ranks disagree on counts"
+                    f"rank {send.rank} sends {send.buf.nbytes} bytes to rank {recv.rank}, "
+                    f"which expects {recv.buf.nbytes} (tag {send.tag}); the ranks disagree on "
+                    "counts"
                 )
-            np.copyto(recv.buf, send.buf.reshape(recv.buf.shape), casting="no")
+            # bytes, as MPI moves them: the two dtypes need not agree
+            np.copyto(_bytes_of(recv.buf), _bytes_of(send.buf))
         except BaseException as error:
             self.fail(request.rank, error)
             raise

@@ -78,7 +78,8 @@ class MPITransport:
                 if time.monotonic() > deadline:
                     peers = sorted({self._peer_of.get(id(r), -1) for r in requests
                                     if not r.Test()})
-                    self._peer_of.clear()
+                    for r in requests:  # only this wait's: other threads wait on theirs
+                        self._peer_of.pop(id(r), None)
                     raise WaitTimeout(peers, self.timeout)
                 time.sleep(20e-6)
         for r in requests:

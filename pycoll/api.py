@@ -632,7 +632,8 @@ def _lane(direction: str, peer: Any, tag: Any, x: Any) -> tuple[str, int, int]:
         valid = isinstance(value, int | np.integer) and not isinstance(value, bool)
         return int(value) if valid else -1
 
-    return direction, number(peer), number(tag) if isinstance(x, np.ndarray) else -1
+    space = space_of(x)  # None for a bad x, whose error comes at wait()
+    return direction, number(peer), -1 if space is not None and space.is_device else number(tag)
 
 
 def _on_device(fn: Any, space: Any, device: Any) -> Any:
@@ -986,7 +987,25 @@ def _forwarding() -> bool:
 
 
 def _point_to_point(comm, x, work, src, dst, tag) -> None:
+    if x.size == 0:  # a schedule has no step for it, yet an empty message is one (as in MPI)
+        _empty_message(comm, src, dst, tag)
+        return
     _run(comm, Collective.SENDRECV, x, work, None, "direct", root=src, peer=dst, tag=tag)
+
+
+def _empty_message(comm: Communicator, src: int, dst: int, tag: int) -> None:
+    """Send/Recv of nothing, over the host endpoint whatever the array's memory: it orders
+    with host messages of the same tag, and carries no data for a device stream to order."""
+    transport, nothing = comm.p2p, np.empty(0, np.uint8)
+    sending = src == comm.rank
+    if sending:
+        comm.traffic.add(dst, 0)
+    try:
+        transport.waitall([transport.isend(nothing, dst, tag) if sending
+                           else transport.irecv(nothing, src, tag)])
+    except WaitTimeout as late:
+        what = f"send to rank {dst}" if sending else f"recv from rank {src}"
+        raise _timed_out(comm, f"{what} (tag {tag}, empty)", late) from None
 
 
 def _no_reduction(target: Array, incoming: Array) -> None:

@@ -199,6 +199,35 @@ def test_send_recv(nranks, count):
         np.testing.assert_array_equal(result, payloads[(rank - 1) % nranks])
 
 
+def test_an_empty_message_is_a_message():
+    """As in MPI: an empty receive waits for its empty send (a token), and takes that send,
+    not the next message on the tag; a message too long for it is an error."""
+    import time
+
+    def token_then_message():
+        rank = pycoll.world().rank
+        if rank == 0:
+            time.sleep(0.3)
+            pycoll.send(np.empty(0, np.float32), 1, tag=9)
+            pycoll.send(np.full(2, 5.0), 1, tag=9)
+            return None
+        start = time.monotonic()
+        pycoll.recv(np.empty((0, 3)), 0, tag=9)  # any dtype and shape of no elements
+        return time.monotonic() - start, pycoll.recv(np.empty(2), 0, tag=9)[0]
+
+    waited, after = pycoll.run_local(2, token_then_message)[1]
+    assert waited >= 0.25 and after == 5.0
+
+    def too_long():
+        if pycoll.world().rank == 0:
+            pycoll.send(np.full(2, 6.0), 1, tag=9)
+        else:
+            pycoll.recv(np.empty(0), 0, tag=9)
+
+    with pytest.raises(ValueError, match="rank 0 sends 16 bytes to rank 1, which expects 0"):
+        pycoll.run_local(2, too_long)
+
+
 def _allreduce_own_row(inputs, op, algorithm):
     return pycoll.allreduce(inputs[pycoll.world().rank], op, algorithm=algorithm)
 

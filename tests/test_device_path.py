@@ -836,3 +836,18 @@ def test_a_schedule_that_never_forwards_holds_one_step_of_inbox(peer_device):
         np.testing.assert_array_equal(out, np.repeat(np.arange(4, dtype=np.float32), count))
         assert held <= 2 * count * 4 + 4096 + 64, held
     assert peer_device.copy_pairs == before
+
+
+def test_async_send_and_recv_lanes_are_per_tag_on_the_host_and_per_peer_on_a_device():
+    """A pair's device endpoint takes one receive at a time: device Send/Recv of any tag to
+    one peer share a worker; host ones get a worker per tag (MPI matches by tag)."""
+    from pycoll.api import _lane
+
+    fake = FakeDevice(seed=0)
+    spaces.register(fake)
+    try:
+        assert _lane("recv", 1, 7, device_array(np.ones(2))) == ("recv", 1, -1)
+    finally:
+        spaces.unregister(fake)
+    assert _lane("recv", 1, 7, np.ones(2)) == ("recv", 1, 7)
+    assert _lane("send", True, "7", [1.0]) == ("send", -1, -1)  # errors come at wait()

@@ -227,7 +227,7 @@ def test_mismatched_sizes_between_ranks_are_reported():
         else:
             pycoll.recv(x, src=0)
 
-    with pytest.raises(ValueError, match="sends 5 elements to rank 1, which expects 4"):
+    with pytest.raises(ValueError, match="sends 40 bytes to rank 1, which expects 32"):
         pycoll.run_local(2, body)
 
 

@@ -75,3 +75,29 @@ def test_a_bad_value_is_named():
         return True
 
     assert pycoll.run_local(1, body) == [True]
+
+
+def test_an_mpi_wait_past_its_deadline_forgets_only_its_own_requests():
+    """Async Send/Recv wait on threads of their own: one wait's timeout must not forget the
+    peers of another's requests (the next timeout named rank -1). MPI stood in for: requests
+    that never complete."""
+    import types
+
+    from pycoll.bindings.mpi import MPITransport
+    from pycoll.bindings.transport import WaitTimeout
+
+    class Pending:
+        def Test(self) -> bool:
+            return False
+
+    transport = MPITransport.__new__(MPITransport)
+    transport._MPI = types.SimpleNamespace(Request=types.SimpleNamespace(
+        Testall=lambda requests, statuses=None: False))
+    transport.timeout, transport._peer_of = 0.05, {}
+    mine, theirs = Pending(), Pending()
+    transport._peer_of[id(mine)], transport._peer_of[id(theirs)] = 1, 2
+    for request, peer in ((mine, 1), (theirs, 2)):
+        with pytest.raises(WaitTimeout) as late:
+            transport.waitall([request])
+        assert late.value.peers == [peer]
+    assert transport._peer_of == {}

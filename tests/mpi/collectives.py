@@ -136,6 +136,16 @@ def check_point_to_point_and_groups() -> None:
             pycoll.recv(got, (RANK - 1) % P, tag=3)
             pycoll.send(payload, (RANK + 1) % P, tag=3)
         case("send/recv ring", got, np.arange(5, dtype=np.float32) + (RANK - 1) % P)
+        # an empty message is a message: rank 0 sends its token last, and the next rank's
+        # empty receive takes it, not rank 0's later message on the same tag
+        if RANK == 0:
+            pycoll.send(np.empty(0), 1, tag=4)
+            pycoll.send(np.full(2, 7.0), 1, tag=4)
+        elif RANK == 1:
+            token, after = np.empty(0), np.empty(2)
+            pycoll.recv(token, 0, tag=4)
+            pycoll.recv(after, 0, tag=4)
+            case("empty send/recv, then the next message", after, np.full(2, 7.0))
     halves = comm.split(RANK % 2, key=-RANK)
     members = [r for r in range(P) if r % 2 == RANK % 2][::-1]
     case("split size", np.array(halves.size), np.array(len(members)))
