@@ -113,7 +113,11 @@ class CountedMPITransport(MPITransport):
 
     def waitall(self, requests: list, statuses: list | None = None) -> None:
         statuses = [self._MPI.Status() for _ in requests]
-        super().waitall(requests, statuses)
+        try:
+            super().waitall(requests, statuses)
+        except self._MPI.Exception as error:  # a message longer than its buffer: say whose
+            self._name_truncation(error, requests, statuses)
+            raise
         for request, status in zip(requests, statuses):
             expected = self._expected.pop(id(request), None)
             if expected is None:
@@ -124,6 +128,19 @@ class CountedMPITransport(MPITransport):
                 raise ValueError(
                     f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
                     f"received {got}; the ranks disagree on counts")
+
+    def _name_truncation(self, error: Any, requests: list, statuses: list) -> None:
+        """Raise ValueError naming the receive that MPI truncated, if it did."""
+        MPI = self._MPI
+        in_status = error.Get_error_class() == MPI.ERR_IN_STATUS  # Waitall, Testall
+        for request, status in zip(requests, statuses):
+            code = status.Get_error() if in_status else error.Get_error_code()
+            expected = self._expected.pop(id(request), None)
+            if expected is not None and MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
+                nbytes, peer, tag = expected
+                raise ValueError(
+                    f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
+                    "the message is longer; the ranks disagree on counts") from None
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
