@@ -186,31 +186,25 @@ def check_plan_on_one_rank() -> None:
 
 def check_a_short_message_is_an_error() -> None:
     """A receive buffer larger than the message: an error naming both counts (MPI alone
-    would fill the buffer's start silently); smaller: an error naming the receive."""
+    would fill the buffer's start silently); smaller (MPI's truncation): one naming the
+    receive."""
     if P == 1:
         return
-    if RANK == 0:
-        pycoll.send(np.arange(4.0), P - 1, tag=11)
-    elif RANK == P - 1:
-        try:
-            pycoll.recv(np.full(8, -1.0), 0, tag=11)
-            said = ""
-        except ValueError as error:
-            said = str(error)
-        case("a short message is an error", np.array("expects 64 bytes from rank 0 (tag 11) "
-                                                     "and received 32" in said), np.array(True))
-    # and one longer than its buffer (MPI's truncation error), named alike
-    if RANK == 0:
-        pycoll.send(np.arange(4.0), P - 1, tag=12)
-    elif RANK == P - 1:
-        try:
-            pycoll.recv(np.full(2, -1.0), 0, tag=12)
-            said = ""
-        except ValueError as error:
-            said = str(error)
-        case("a long message is an error", np.array("expects 16 bytes from rank 0 (tag 12) "
-                                                    "and the message is longer" in said),
-             np.array(True))
+    for name, count, tag, said in [
+        ("a short message is an error", 8, 11, "expects 64 bytes from rank 0 (tag 11) and "
+                                               "received 32"),
+        ("a long message is an error", 2, 12, "expects 16 bytes from rank 0 (tag 12) and the "
+                                              "message is longer"),
+    ]:
+        if RANK == 0:
+            pycoll.send(np.arange(4.0), P - 1, tag=tag)
+        elif RANK == P - 1:
+            try:
+                pycoll.recv(np.full(count, -1.0), 0, tag=tag)
+                error = ""
+            except ValueError as raised:
+                error = str(raised)
+            case(name, np.array(said in error), np.array(True))
     pycoll.barrier()
 
 
