@@ -54,6 +54,7 @@ MIN_PIECE = 4096  # less contiguous room than this before the ring's end: wrap i
 SPINS = 200  # polls before a waiting rank starts yielding its core
 RING_BYTES = 8 << 20  # per peer: the stream to that peer
 SMALL_BYTES = 2 << 20  # one-shot AllReduce slot; larger calls take the schedules
+SMALL_VIEWS_KEPT = 1024  # (dtype, count) shapes of one-shot calls whose slot views are kept
 _FROM_PROCESS = -2  # a send's ``window`` when the receiver reads the sender's own memory
 
 
@@ -118,6 +119,7 @@ class ThreadSegments:
             [self._ranks[i] for i in missing]))
 
     def free(self) -> None:
+        self.segments[self.index] = None  # the shared list outlives this rank's hold on it
         self.segments = []
 
 
@@ -519,6 +521,8 @@ class SharedMemoryTransport:
         key = (x.dtype, x.size)
         entry = self._small_views.get(key)
         if entry is None:
+            if len(self._small_views) >= SMALL_VIEWS_KEPT:  # sizes that vary call to call
+                self._small_views.clear()
             # what every rank must agree on: count and dtype, in one word
             entry = (self._slot_views(x.dtype, x.size), x.size << 16 | x.dtype.num & 0xFFFF)
             self._small_views[key] = entry

@@ -76,7 +76,7 @@ class Communicator:
         self._timeout = _timeout_from_env()
         self._apply_timeout()
         # PYCOLL_CHECK: each collective first agrees on its arguments (pycoll/agree.py)
-        self.check = agree.enabled_by_default()
+        self._check = agree.enabled_by_default()
         self.agreeing = False  # inside the agreement's own exchange
         self.agreements = 0  # collectives checked so far: the sequence number
         # PYCOLL_VERIFY: each collective's result checked against the oracle (pycoll/verify.py)
@@ -140,12 +140,29 @@ class Communicator:
 
     @verify.setter
     def verify(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise TypeError(f"verify={on!r} is invalid; allowed: True or False")
-        self.drain()  # the async calls queued before run as they were asked: alike everywhere
+        self._before_switching("verify", on)
         if on:
             verification.turn_on()
         self._verify = on
+
+    @property
+    def check(self) -> bool:
+        """Whether each collective first checks that every rank agrees on its arguments,
+        raising :class:`pycoll.CollectiveMismatch` on every rank if not (pycoll/agree.py).
+        Default from ``PYCOLL_CHECK``. Set it alike on every rank."""
+        return self._check
+
+    @check.setter
+    def check(self, on: bool) -> None:
+        self._before_switching("check", on)
+        self._check = on
+
+    def _before_switching(self, name: str, on: bool) -> None:
+        """Refuse a switch that is not a bool; then let the async calls queued before run
+        as they were asked, alike on every rank."""
+        if not isinstance(on, bool):
+            raise TypeError(f"{name}={on!r} is invalid; allowed: True or False")
+        self.drain()
 
     @property
     def timeout(self) -> float | None:
@@ -441,11 +458,11 @@ class Communicator:
         """
         if self.freed:
             raise RuntimeError(f"{self!r} was freed (Communicator.free); allowed: a live one")
-        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
-                                  or color < 0):
+        if color is not None and (not _is_int(color) or color < 0):
             raise ValueError(f"split: color={color!r} is invalid; allowed: an int >= 0 or None")
-        if isinstance(key, bool) or not isinstance(key, int):
+        if not _is_int(key):
             raise ValueError(f"split: key={key!r} is invalid; allowed: an int")
+        color, key = None if color is None else int(color), int(key)  # numpy ints too
         if self.mpi_comm is not None:
             MPI = mpi()
             child = self.mpi_comm.Split(MPI.UNDEFINED if color is None else color, key)
@@ -476,6 +493,11 @@ class Communicator:
     def __repr__(self) -> str:
         kind = "MPI" if self.mpi_comm is not None else "in-process"
         return f"Communicator(rank={self.rank}, size={self.size}, {kind})"
+
+
+def _is_int(value: Any) -> bool:
+    """An int or numpy integer, not a bool (as roots, peers and counts are checked)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
 
 def _first_seen_order(nodes: list[int]) -> list[int]:
@@ -675,7 +697,8 @@ def new_group(ranks: Sequence[int], comm: Communicator | None = None) -> Communi
     """
     comm = world() if comm is None else comm
     members = list(ranks)
-    valid = all(isinstance(r, int) and not isinstance(r, bool) for r in members)
+    valid = all(_is_int(r) for r in members)
+    members = [int(r) for r in members] if valid else members  # numpy ints too
     if not members or not valid or len(set(members)) != len(members) or not all(
         0 <= r < comm.size for r in members
     ):

@@ -109,6 +109,29 @@ def test_the_check_can_be_turned_on_per_communicator(monkeypatch):
     assert run(body) == [True] * NRANKS
 
 
+def test_turning_the_check_on_waits_for_the_async_calls_before(monkeypatch):
+    """Every rank makes the same calls; only timing differs. The async calls queued before
+    ``comm.check = True`` run unchecked on every rank, not checked on some (whose agreement
+    messages would meet the others' data)."""
+    import time
+
+    monkeypatch.setenv("PYCOLL_CHECK", "0")
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "10")
+
+    def body(rank):
+        comm = pycoll.world()
+        first = pycoll.allreduce(np.ones(8), async_op=True)
+        second = pycoll.allreduce(np.ones(8), async_op=True)
+        if rank == 0:
+            time.sleep(0.3)
+        comm.check = True
+        return first.wait().tolist(), second.wait().tolist()
+
+    assert run(body) == [([float(NRANKS)] * 8,) * 2] * NRANKS
+    with pytest.raises(TypeError, match="check=1 is invalid; allowed: True or False"):
+        pycoll.world().check = 1
+
+
 def test_a_bad_setting_is_named(monkeypatch):
     monkeypatch.setenv("PYCOLL_CHECK", "yes")
     with pytest.raises(ValueError, match="PYCOLL_CHECK='yes' is invalid; allowed: 0 or 1"):

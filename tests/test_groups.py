@@ -47,6 +47,17 @@ def test_new_group_gives_members_a_communicator_and_others_none():
     assert pycoll.run_local(4, body) == [None, (1, [3, 1]), None, (0, [3, 1])]
 
 
+def test_numpy_integers_serve_as_ranks_colors_and_keys():
+    """As in mpi4py's Split, and as roots and peers are taken."""
+    def body():
+        rank = pycoll.world().rank
+        group = pycoll.new_group(np.array([3, 1]))
+        half = pycoll.world().split(np.int64(rank % 2), key=np.int32(-rank))
+        return (None if group is None else group.rank), half.rank
+
+    assert pycoll.run_local(4, body) == [(None, 1), (1, 1), (None, 0), (0, 0)]
+
+
 def test_send_and_recv_inside_a_sub_communicator_use_its_rank_numbers():
     def body():
         world = pycoll.world()
@@ -61,7 +72,7 @@ def test_send_and_recv_inside_a_sub_communicator_use_its_rank_numbers():
     assert pycoll.run_local(4, body) == [0, 0, 0, 1]
 
 
-@pytest.mark.parametrize("color", [-1, 1.5, True, "a"])
+@pytest.mark.parametrize("color", [-1, 1.5, True, "a", np.bool_(True), np.int64(-2)])
 def test_split_rejects_bad_colors(color):
     def body():
         pycoll.world().split(color)
@@ -70,7 +81,7 @@ def test_split_rejects_bad_colors(color):
         pycoll.run_local(2, body)
 
 
-@pytest.mark.parametrize("ranks", [[], [0, 0], [5], [True]])
+@pytest.mark.parametrize("ranks", [[], [0, 0], [5], [True], [np.int64(0), 0]])
 def test_new_group_rejects_bad_rank_lists(ranks):
     with pytest.raises(ValueError, match="new_group: ranks=.* is invalid"):
         pycoll.run_local(2, lambda: pycoll.new_group(ranks))
