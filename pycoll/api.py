@@ -425,11 +425,13 @@ def alltoall(
         call = _known(comm, known)
         if call is not None and x.flags.c_contiguous:
             out = _out(out, x, x.shape, "alltoall", may_alias=True)
+            _agree_on_pieces(comm, x)
             _execute(comm, call, x, out)
             return out
     space = _space(x, "alltoall")
     rows = _rows(x, "alltoall")
     counts = _counts(None, rows, comm.size, "alltoall", "len(x)")
+    _agree_on_pieces(comm, x)
     with space.using(stream):
         out = _out(out, x, x.shape, "alltoall", may_alias=True)
         call = _alltoallv(x, counts, counts, out, comm)
@@ -466,6 +468,14 @@ def alltoallv(
         out = space.empty((sum(arrived), *x.shape[1:]), x.dtype)
         _alltoallv(x, send_counts, arrived, out, comm)
     return out
+
+
+def _agree_on_pieces(comm: Communicator, x: Array) -> None:
+    """With the agreement check on, AllToAll's equal pieces: every rank's ``x`` alike in
+    size (AllToAllv's counts are exchanged and checked by the call; the check proper leaves
+    them out, so it cannot tell the two apart)."""
+    if comm.check and not comm.agreeing:
+        _agree(comm, Collective.ALLTOALL, x, None, "equal pieces", None, None, count=x.size)
 
 
 def _exchange_counts(comm: Communicator, send_counts: list[int],
@@ -890,11 +900,13 @@ def _broken(comm: Communicator, error: Exception) -> Exception:
 
 
 def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,
-           algorithm: str, blocks: tuple[int, ...] | None, root: int | None) -> None:
-    """The agreement check (pycoll/agree.py): what every rank must pass alike."""
+           algorithm: str, blocks: tuple[int, ...] | None, root: int | None,
+           count: int | None = None) -> None:
+    """The agreement check (pycoll/agree.py): what every rank must pass alike (``count``:
+    AllToAll's, which its blocks do not tell)."""
     comm.agreements += 1
     if collective is Collective.ALLTOALL:  # per-peer counts: exchanged and checked already
-        count, counts = None, None
+        counts = None
     elif collective is Collective.ALLGATHER:  # ranks' inputs may differ; the output not
         count, counts = sum(blocks), blocks
     else:

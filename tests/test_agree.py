@@ -73,6 +73,8 @@ def test_agreeing_ranks_get_the_oracle():
      "counts", "[3, 3, 0] on rank 0; [2, 2, 2] on ranks 1, 2"),
     ("collective", lambda r: (pycoll.reduce if r == 1 else pycoll.allreduce)(np.ones(4)),
      "collective", '"allreduce" on ranks 0, 2; "reduce" on rank 1'),
+    ("alltoall count", lambda r: pycoll.alltoall(np.ones(6 if r == 2 else 3)),
+     "count", "3 on ranks 0, 1; 6 on rank 2"),
 ])
 def test_a_disagreement_is_named_on_every_rank(name, call, field, values):
     errors = mismatch_on_every_rank(call)
