@@ -455,6 +455,7 @@ class Communicator:
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """Ranks that pass the same ``color`` form a new communicator, ordered by ``key`` then
         rank; ``color=None`` takes no part and gets None. Every rank of this one must call it.
+        The new one starts with this one's ``timeout``, ``check`` and ``verify``.
         """
         if self.freed:
             raise RuntimeError(f"{self!r} was freed (Communicator.free); allowed: a live one")
@@ -472,7 +473,7 @@ class Communicator:
             made._owns_mpi_comm = True
             # the parent's nodes, simulated ones too (PYCOLL_RANKS_PER_NODE)
             made._nodes = _first_seen_order(child.allgather(self.nodes()[self.rank]))
-            return made
+            return made._settings_of(self)
         from pycoll.api import allgather
 
         self._splits += 1
@@ -488,7 +489,14 @@ class Communicator:
         )
         parent_nodes = self.nodes()
         made._nodes = _first_seen_order([parent_nodes[r] for r in group])
-        return made
+        return made._settings_of(self)
+
+    def _settings_of(self, parent: Communicator) -> Communicator:
+        """This new communicator with ``parent``'s timeout, check and verify (as an MPI
+        communicator inherits its parent's error handler); returns it."""
+        self.timeout = parent.timeout
+        self._check, self._verify = parent.check, parent.verify
+        return self
 
     def __repr__(self) -> str:
         kind = "MPI" if self.mpi_comm is not None else "in-process"

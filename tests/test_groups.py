@@ -104,3 +104,25 @@ def test_sub_communicators_keep_the_parents_nodes(monkeypatch):
     assert results[1][0] == results[2][0] == [0, 1]
     assert all(parity == [0, 1] for _, parity, _, _ in results)
     assert all(pairs == [0, 0] and k == 0 for _, _, pairs, k in results)  # one node each
+
+
+def test_a_sub_communicator_starts_with_its_parents_settings(monkeypatch):
+    """timeout, check and verify, as an MPI communicator inherits its error handler."""
+    monkeypatch.delenv("PYCOLL_CHECK", raising=False)
+    monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
+
+    def body():
+        world = pycoll.world()
+        plain = world.split(0)
+        world.timeout, world.check, world.verify = 7.0, True, True
+        half = world.split(world.rank % 2)
+        group = pycoll.new_group([1, 0])
+        got = pycoll.allreduce(np.array([world.rank]), comm=half)  # checked and verified
+        return ((plain.timeout, plain.check, plain.verify), (half.timeout, half.check,
+                half.verify), (group.timeout, group.check, group.verify), half.agreements,
+                int(got[0]))
+
+    for rank, (plain, half, group, agreements, got) in enumerate(pycoll.run_local(2, body)):
+        assert plain == (None, False, False)
+        assert half == group == (7.0, True, True)
+        assert agreements >= 1 and got == rank
