@@ -244,6 +244,10 @@ class LocalTransport:
         requests = [self.irecv(recv, src, tag), self.isend(send, dst, tag)]
         self.waitall(requests)
 
+    def test(self, request: _Request) -> bool:
+        """Whether ``request`` completed; never blocks."""
+        return request.done()
+
     def subgroup(self, members: list[int], channel: str) -> LocalTransport:
         """An endpoint for the group of ``members`` (ranks of this group) on a new channel."""
         return LocalTransport(

@@ -68,6 +68,11 @@ class MPITransport:
         elif requests:
             self._MPI.Request.Waitall(requests, statuses)
 
+    def test(self, request: Any) -> bool:
+        """Whether ``request`` completed; never blocks, and leaves it to waitall (its
+        status, which the counted endpoint checks, too)."""
+        return request.Get_status()
+
     def _wait_until(self, requests: list, deadline: float, statuses: list | None) -> None:
         """Test until done; past ``deadline``, cancel nothing (MPI cannot take a send back)
         and raise WaitTimeout naming the peers of the requests still open."""

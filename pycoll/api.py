@@ -22,6 +22,7 @@ from pycoll.execute import compile_program, run, some_rank_forwards
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
 from pycoll.schedule import Collective, Layout, split
 from pycoll.spaces import HOST, space_of
+from pycoll.work import Posted
 
 OpLike = str | ReduceOp
 Array = Any  # a numpy.ndarray, or a device array (cupy.ndarray) of a registered space
@@ -522,13 +523,14 @@ def send(
     (in-process always; device arrays: the copy is enqueued on ``dst``'s stream), or MPI has
     buffered it (a short message, as MPI_Send may). Programs must not rely on either."""
     if async_op:
-        return _submit(send, "send", x, dst, tag, comm=comm, stream=stream,
-                       lane=_lane("send", dst, tag, x))
-    comm = _comm(comm, drain=False)  # Send/Recv are ordered per lane, not with collectives
+        return _posted(comm, "send", x, dst, tag, stream) or _submit(
+            send, "send", x, dst, tag, comm=comm, stream=stream, lane=("send", _number(dst)))
+    comm = _comm(comm, drain=False)  # Send/Recv are ordered per peer, not with collectives
     space = _space(x, "send")
     dst = _peer(dst, comm, "send", "dst")
     tag = _tag(tag, "send")
-    comm.drain(_lane("send", dst, tag, x))
+    if space.is_device:
+        comm.drain(("send", dst))  # a pair's device Send/Recv run in call order
     with space.using(stream):
         _point_to_point(comm, x, x, comm.rank, dst, tag)
 
@@ -539,17 +541,57 @@ def recv(
 ) -> Array:
     """Receive into ``out`` what rank ``src`` sends with ``tag``; returns ``out``."""
     if async_op:
-        return _submit(recv, "recv", out, src, tag, comm=comm, stream=stream,
-                       lane=_lane("recv", src, tag, out))
+        return _posted(comm, "recv", out, src, tag, stream) or _submit(
+            recv, "recv", out, src, tag, comm=comm, stream=stream, lane=("recv", _number(src)))
     comm = _comm(comm, drain=False)
     space = _space(out, "recv", "out")
     _writable(out, "out", "recv")
     src = _peer(src, comm, "recv", "src")
     tag = _tag(tag, "recv")
-    comm.drain(_lane("recv", src, tag, out))
+    if space.is_device:
+        comm.drain(("recv", src))
     with space.using(stream):
         _point_to_point(comm, out, out, src, comm.rank, tag)
     return out
+
+
+def _posted(comm: Communicator | None, direction: str, buf: Any, peer: Any, tag: Any,
+            stream: Any) -> Any:
+    """Async Send/Recv of a host array, posted now as MPI's Isend/Irecv are: the transport
+    matches it by tag, no thread waits for it, and a deadline runs from ``wait()``. None
+    where that does not apply (device arrays, which run on a worker per direction and peer,
+    in call order; bad arguments, whose error that worker raises at ``wait()``)."""
+    if stream is not None or space_of(buf) is not HOST:
+        return None
+    sending = direction == "send"
+    try:
+        comm = _comm(comm, drain=False)
+        _space(buf, direction, "x" if sending else "out")
+        if not sending:
+            _writable(buf, "out", "recv")
+        peer = _peer(peer, comm, direction, "dst" if sending else "src")
+        tag = _tag(tag, direction)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    what = f"{direction} {'to' if sending else 'from'} rank {peer} (tag {tag})"
+    transport, flat = comm.p2p, buf.reshape(-1)
+    try:
+        if sending:
+            comm.traffic.add(peer, buf.nbytes)
+            request = transport.isend(flat, peer, tag)
+        else:
+            request = transport.irecv(flat, peer, tag)
+    except Exception as error:  # in-process, a mismatch found as it matches: for wait()
+        return Posted(transport, None, what, None if sending else buf, error)
+    return Posted(transport, request, what, None if sending else buf,
+                  timed_out=lambda late: _timed_out(comm, what, late))
+
+
+def _number(value: Any) -> int:
+    """An int of a rank given as an int or numpy integer; -1 for anything else (whose error
+    comes from the call that checks it)."""
+    valid = isinstance(value, int | np.integer) and not isinstance(value, bool)
+    return int(value) if valid else -1
 
 
 def plan(
@@ -629,21 +671,6 @@ def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs:
             kwargs["stream"] = space.current_stream()
         fn = _on_device(fn, space, space.current_device())
     return comm.submit(fn, what, *args, comm=comm, **kwargs)
-
-
-def _lane(direction: str, peer: Any, tag: Any, x: Any) -> tuple[str, int, int]:
-    """The async worker of Send/Recv with ``peer`` on ``tag``; calls on one lane run in call
-    order. Host arrays get a lane per tag, since MPI matches messages by tag: a receive
-    posted for one tag holds back no message of another. Device arrays get one per peer
-    (tag -1): a pair's device endpoint takes one receive at a time, so post them in the
-    order the peer sends. A bad peer's or tag's error comes at wait()."""
-
-    def number(value: Any) -> int:
-        valid = isinstance(value, int | np.integer) and not isinstance(value, bool)
-        return int(value) if valid else -1
-
-    space = space_of(x)  # None for a bad x, whose error comes at wait()
-    return direction, number(peer), -1 if space is not None and space.is_device else number(tag)
 
 
 def _on_device(fn: Any, space: Any, device: Any) -> Any:

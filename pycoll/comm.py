@@ -32,7 +32,6 @@ from pycoll.bindings.transport import Transport, WaitTimeout
 from pycoll.traffic import Traffic
 
 _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
-LANES_KEPT = 64  # async Send/Recv workers a communicator keeps while they are idle
 
 
 class Communicator:
@@ -71,7 +70,7 @@ class Communicator:
         self._splits = 0
         self.freed = False
         self.queue: Any = None  # async collectives' worker (pycoll/work.py), made on first use
-        self.lanes: dict[tuple[str, int, int], Any] = {}  # async Send/Recv's (see submit)
+        self.lanes: dict[tuple[str, int], Any] = {}  # async device Send/Recv's (see submit)
         self.broken: str | None = None  # why later calls must fail at once (a timeout)
         self._timeout = _timeout_from_env()
         self._apply_timeout()
@@ -95,19 +94,14 @@ class Communicator:
         self._traffic: Traffic | None = None
 
     def submit(self, fn: Callable[..., Any], what: str, *args: Any,
-               lane: tuple[str, int, int] | None = None, **kwargs: Any) -> Any:
+               lane: tuple[str, int] | None = None, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` (a collective on this communicator) on its worker;
-        returns a :class:`pycoll.work.Work`. ``lane``: ``("send", peer, tag)`` or
-        ``("recv", peer, tag)``: async Send/Recv run on a worker per lane, in call order
-        there, so that a receive waiting for its message holds back no send, nor a receive
-        of another tag (as MPI's Irecv and Isend). Beyond LANES_KEPT lanes, idle ones end."""
+        returns a :class:`pycoll.work.Work`. ``lane``: ``("send", peer)`` or ``("recv",
+        peer)``: async Send/Recv of device arrays run on a worker per direction and peer, in
+        call order there, so that a receive waiting for its message holds back no send."""
         from pycoll.work import AsyncQueue
 
         queue = self.queue if lane is None else self.lanes.get(lane)
-        if queue is None and lane is not None and len(self.lanes) >= LANES_KEPT:
-            for key, idle in [(k, q) for k, q in self.lanes.items() if q.idle]:
-                idle.close()
-                del self.lanes[key]
         if queue is None:
             if self.mpi_comm is not None:
                 MPI = mpi()
@@ -124,7 +118,7 @@ class Communicator:
                 self.lanes[lane] = queue
         return queue.submit(fn, what, *args, **kwargs)
 
-    def drain(self, lane: tuple[str, int, int] | None = None) -> None:
+    def drain(self, lane: tuple[str, int] | None = None) -> None:
         """Let the async work queued on ``lane`` (None: the collectives') finish first."""
         queue = self.queue if lane is None else self.lanes.get(lane)
         if queue is not None and queue.busy:

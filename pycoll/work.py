@@ -4,7 +4,8 @@ Each communicator runs its async collectives one after another, in the order the
 called, on a worker thread of its own, so async collectives on different communicators overlap
 each other and the caller's own work. A blocking call on a communicator first lets its queued
 async collectives finish, so every rank still sees one order per communicator. Async Send/Recv
-have a worker per direction, peer and tag (``Communicator.submit``'s lanes).
+of host arrays are posted as MPI's Isend/Irecv are (:class:`Posted`); those of device arrays
+have a worker per direction and peer (``Communicator.submit``'s lanes).
 
 The contract is the seed's completion rule: until ``wait()`` returns, the output may not be
 read and the input may not be changed.
@@ -17,6 +18,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from pycoll.bindings.transport import WaitTimeout
 
 
 class Work:
@@ -37,6 +40,35 @@ class Work:
 
     def __repr__(self) -> str:
         return f"Work({self._what}, {'done' if self.done() else 'in flight'})"
+
+
+class Posted(Work):
+    """A host Send/Recv posted as MPI's Isend/Irecv are (pycoll/api.py ``_posted``): the
+    transport completes it; ``wait()`` waits for it (a deadline counts from there) and
+    returns what the blocking call returns, or raises its error."""
+
+    def __init__(self, transport: Any, request: Any, what: str, result: Any,
+                 error: BaseException | None = None,
+                 timed_out: Callable[[WaitTimeout], BaseException] | None = None):
+        self._transport, self._request, self._what = transport, request, what
+        self._result, self._error, self._timed_out = result, error, timed_out
+        self._waited = error is not None
+
+    def done(self) -> bool:
+        return self._waited or self._transport.test(self._request)
+
+    def wait(self) -> Any:
+        if not self._waited:
+            try:
+                self._transport.waitall([self._request])
+            except WaitTimeout as late:
+                self._error = self._timed_out(late)
+            except Exception as error:  # counts that disagree, a peer that failed
+                self._error = error
+            self._waited = True
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 class AsyncQueue:
@@ -88,11 +120,6 @@ class AsyncQueue:
     @property
     def busy(self) -> bool:
         return bool(self._in_flight)
-
-    @property
-    def idle(self) -> bool:
-        """Whether everything submitted has finished."""
-        return all(future.done() for future in self._in_flight)
 
     def close(self) -> None:
         """Let the worker thread end (after its queued work); no more work may come."""

@@ -188,35 +188,51 @@ def test_receives_posted_out_of_tag_order_match_by_tag(blocking_second):
     assert pycoll.run_local(2, body)[1] == (1.0, 2.0)
 
 
-def test_idle_send_and_recv_workers_end_beyond_the_kept_number(monkeypatch):
+def test_async_host_send_and_recv_are_posted_without_threads():
+    """Posted as MPI's Isend/Irecv: 200 receives on 200 tags, posted in the reverse order of
+    their sends, start no thread and complete."""
     import threading
-
-    from pycoll import comm as comm_module
-
-    monkeypatch.setattr(comm_module, "LANES_KEPT", 4)
 
     def body():
         comm = pycoll.world()
         peer = 1 - comm.rank
-        workers: dict[int, threading.Thread] = {}  # by id: a dead thread's ident is reused
-        for tag in range(10):  # a lane per tag, each idle once its message is in
-            got = np.empty(2)
-            sending = pycoll.send(np.full(2, float(tag)), peer, tag=tag, async_op=True)
-            receiving = pycoll.recv(got, peer, tag=tag, async_op=True)
-            sending.wait()
-            receiving.wait()
-            assert got[0] == tag
-            assert len(comm.lanes) <= 4 + 1  # the kept ones, then the one just made
-            threads = {t.ident: t for t in threading.enumerate()}
-            workers |= {id(threads[q.worker]): threads[q.worker] for q in comm.lanes.values()}
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if sum(t.is_alive() for t in workers.values()) <= 4 + 1:
-                return len(workers) == 20  # a worker per direction and tag
-            time.sleep(0.01)
-        return False
+        threads = threading.active_count()
+        got = [np.empty(2) for _ in range(200)]
+        if comm.rank == 1:
+            works = [pycoll.recv(got[t], peer, tag=t, async_op=True) for t in reversed(range(200))]
+        else:
+            works = [pycoll.send(np.full(2, float(t)), peer, tag=t, async_op=True)
+                     for t in range(200)]
+        started = threading.active_count() - threads
+        for work in works:
+            work.wait()
+        assert all(work.done() for work in works)
+        return started, comm.lanes, [g[0] for g in got] if comm.rank == 1 else None
 
-    assert pycoll.run_local(2, body) == [True, True]
+    results = pycoll.run_local(2, body)
+    assert [(started, lanes) for started, lanes, _ in results] == [(0, {}), (0, {})]
+    assert results[1][2] == [float(t) for t in range(200)]
+
+
+def test_an_async_receives_deadline_counts_from_wait(monkeypatch):
+    """A receive posted early and polled with done() meanwhile is not late: its deadline
+    (the communicator's timeout) starts when the program waits for it."""
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "0.3")
+
+    def body():
+        comm = pycoll.world()
+        if comm.rank == 0:
+            time.sleep(0.6)
+            pycoll.send(np.full(3, 4.0), 1, tag=2)
+            return None
+        stop = pycoll.recv(np.empty(3), 0, tag=2, async_op=True)
+        polled = 0
+        while not stop.done():
+            polled += 1
+            time.sleep(0.01)
+        return polled > 10, stop.wait()[0]
+
+    assert pycoll.run_local(2, body)[1] == (True, 4.0)
 
 
 def test_async_sends_to_one_peer_arrive_in_call_order():

@@ -838,16 +838,26 @@ def test_a_schedule_that_never_forwards_holds_one_step_of_inbox(peer_device):
     assert peer_device.copy_pairs == before
 
 
-def test_async_send_and_recv_lanes_are_per_tag_on_the_host_and_per_peer_on_a_device():
+def test_async_device_send_and_recv_run_on_a_worker_per_direction_and_peer(device):
     """A pair's device endpoint takes one receive at a time: device Send/Recv of any tag to
-    one peer share a worker; host ones get a worker per tag (MPI matches by tag)."""
-    from pycoll.api import _lane
+    one peer share a worker, in call order (host ones are posted, and use none)."""
 
-    fake = FakeDevice(seed=0)
-    spaces.register(fake)
-    try:
-        assert _lane("recv", 1, 7, device_array(np.ones(2))) == ("recv", 1, -1)
-    finally:
-        spaces.unregister(fake)
-    assert _lane("recv", 1, 7, np.ones(2)) == ("recv", 1, 7)
-    assert _lane("send", True, "7", [1.0]) == ("send", -1, -1)  # errors come at wait()
+    def body(rank):
+        comm = pycoll.world()
+        peer = 1 - rank
+        if rank == 0:
+            works = [pycoll.send(device_array(np.full(3, float(t))), peer, tag=t, async_op=True)
+                     for t in (5, 6)]
+        else:
+            got = [device_array(np.empty(3)) for _ in range(2)]
+            works = [pycoll.recv(got[i], peer, tag=t, async_op=True)
+                     for i, t in enumerate((5, 6))]
+        for work in works:
+            work.wait()
+        device.synchronize()
+        return sorted(comm.lanes), None if rank == 0 else [host_array(g)[0] for g in got]
+
+    (sent_lanes, _), (received_lanes, got) = pycoll.run_local(
+        2, lambda: body(pycoll.world().rank))
+    assert sent_lanes == [("send", 1)] and received_lanes == [("recv", 0)]
+    assert got == [5.0, 6.0]
