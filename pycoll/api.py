@@ -906,7 +906,7 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
             transport = comm.device_transport(
                 space, (call.root if call.peer == comm.rank else call.peer) if p2p else None)
         except WaitTimeout as late:
-            raise _timed_out(comm, f"{call.collective.value} (connecting)", late) from None
+            raise _timed_out(comm, f"{call.what} (connecting)", late) from None
     else:
         transport = comm.p2p if p2p else comm.host_transport()
     program = call.program
@@ -988,10 +988,13 @@ def _prepare(comm: Communicator, key: tuple) -> PreparedCall:
         program = dataclasses.replace(program, forwards=tuple(() for _ in program.steps))
     if len(comm.prepared) >= PREPARED_CALLS:  # a long size sweep: start over rather than grow
         comm.prepared.clear()
+    if collective is Collective.SENDRECV:  # root sends to peer
+        what = f"send to rank {peer}" if root == comm.rank else f"recv from rank {root}"
+    else:
+        what = f"{collective.value} ({schedule.algorithm})"
     comm.prepared[key] = prepared = PreparedCall(
         collective, algorithm, op, root, peer, blocks, space, plan, program, reduce, reduce_n,
-        reduce_copy, copy_pair, comm.rank in schedule.input_read_late,
-        f"{collective.value} ({schedule.algorithm})")
+        reduce_copy, copy_pair, comm.rank in schedule.input_read_late, what)
     return prepared
 
 

@@ -164,7 +164,7 @@ def test_a_first_device_send_to_a_rank_that_never_receives_times_out():
                   PYCOLL_TIMEOUT="1")
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "sendrecv (connecting): rank 0 waited 1 s for rank(s) 2" in output, output
+    assert "send to rank 2 (connecting): rank 0 waited 1 s for rank(s) 2" in output, output
     assert "timeouts on 3 ranks: 3 of 3 named a peer" in output, output
 
 

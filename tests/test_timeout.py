@@ -101,3 +101,27 @@ def test_an_mpi_wait_past_its_deadline_forgets_only_its_own_requests():
             transport.waitall([request])
         assert late.value.peers == [peer]
     assert transport._peer_of == {}
+
+
+def test_a_late_send_or_recv_names_its_direction_and_peer(monkeypatch):
+    """Blocking, and async (posted: its deadline counts from wait()); the peer is busy
+    meanwhile, so no deadlock is seen first."""
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "0.3")
+
+    def body(waiting):
+        comm = pycoll.world()
+        if comm.rank != waiting:
+            time.sleep(0.6)
+            return None
+        try:
+            if waiting == 1:
+                pycoll.recv(np.empty(4), 0, tag=3)
+            else:
+                pycoll.recv(np.empty(4), 1, tag=3, async_op=True).wait()
+        except pycoll.CollectiveTimeout as error:
+            return str(error)
+
+    assert pycoll.run_local(2, body, 1)[1] == (
+        "recv from rank 0: rank 1 waited 0.3 s at step 1 of 1 for rank(s) 0")
+    assert pycoll.run_local(2, body, 0)[0] == (
+        "recv from rank 1 (tag 3): rank 0 waited 0.3 s for rank(s) 1")
