@@ -573,17 +573,24 @@ def _posted(comm: Communicator | None, direction: str, buf: Any, peer: Any, tag:
         tag = _tag(tag, direction)
     except (TypeError, ValueError, RuntimeError):
         return None
-    what = f"{direction} {'to' if sending else 'from'} rank {peer} (tag {tag})"
-    transport, flat = comm.p2p, buf.reshape(-1)
+    return _post(comm, sending, buf.reshape(-1), peer, tag, None if sending else buf)
+
+
+def _post(comm: Communicator, sending: bool, flat: np.ndarray, peer: int, tag: int,
+          result: Any) -> Posted:
+    """Post one host message on ``comm``'s Send/Recv endpoint; its ``wait()`` returns
+    ``result``."""
+    what = f"{'send to' if sending else 'recv from'} rank {peer} (tag {tag})"
+    transport = comm.p2p
     try:
         if sending:
-            comm.traffic.add(peer, buf.nbytes)
+            comm.traffic.add(peer, flat.nbytes)
             request = transport.isend(flat, peer, tag)
         else:
             request = transport.irecv(flat, peer, tag)
     except Exception as error:  # in-process, a mismatch found as it matches: for wait()
-        return Posted(transport, None, what, None if sending else buf, error)
-    return Posted(transport, request, what, None if sending else buf,
+        return Posted(transport, None, what, result, error)
+    return Posted(transport, request, what, result,
                   timed_out=lambda late: _timed_out(comm, what, late))
 
 
@@ -1038,16 +1045,8 @@ def _point_to_point(comm, x, work, src, dst, tag) -> None:
 def _empty_message(comm: Communicator, src: int, dst: int, tag: int) -> None:
     """Send/Recv of nothing, over the host endpoint whatever the array's memory: it orders
     with host messages of the same tag, and carries no data for a device stream to order."""
-    transport, nothing = comm.p2p, np.empty(0, np.uint8)
     sending = src == comm.rank
-    if sending:
-        comm.traffic.add(dst, 0)
-    try:
-        transport.waitall([transport.isend(nothing, dst, tag) if sending
-                           else transport.irecv(nothing, src, tag)])
-    except WaitTimeout as late:
-        what = f"send to rank {dst}" if sending else f"recv from rank {src}"
-        raise _timed_out(comm, f"{what} (tag {tag}, empty)", late) from None
+    _post(comm, sending, np.empty(0, np.uint8), dst if sending else src, tag, None).wait()
 
 
 def _no_reduction(target: Array, incoming: Array) -> None:
