@@ -910,8 +910,7 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
     tag = comm.next_tag() if tag is None else tag
     if space.is_device:  # Send/Recv: the endpoint to the one other rank of the pair
         try:
-            transport = comm.device_transport(
-                space, (call.root if call.peer == comm.rank else call.peer) if p2p else None)
+            transport = comm.device_transport(space, (call.root, call.peer) if p2p else None)
         except WaitTimeout as late:
             raise _timed_out(comm, f"{call.what} (connecting)", late) from None
     else:

@@ -83,6 +83,7 @@ class Communicator:
         self.verifying = False  # inside a verified call or its check
         self.prepared: dict[tuple, tuple] = {}  # per call shape: schedule, program, reducer
         self._device_transports: dict[tuple, Any] = {}
+        self._pair_locks: dict[int, threading.Lock] = {}  # peer -> making its Send/Recv routes
         self.topologies: dict[str, Any] = {}  # per kind of transport: the costs selection uses
         self._buffers: dict[tuple, Any] = {}
         self._host: Any = None  # the host arrays' endpoint, made by the first collective
@@ -337,27 +338,41 @@ class Communicator:
                                                         else count), dtype)
         return kept[:count]
 
-    def device_transport(self, space: Any, peer: int | None = None) -> Any:
+    def device_transport(self, space: Any, route: tuple[int, int] | None = None) -> Any:
         """The endpoint that moves ``space``'s (device) arrays, made on first use.
 
-        For collectives (``peer`` None), every rank makes it at the same call (its first
+        For collectives (``route`` None), every rank makes it at the same call (its first
         device collective), since making it takes collective steps (duplicating MPI
-        communicators). Send/Recv's endpoint to ``peer`` is made by the two ranks alone, on
-        their first message (as torch.distributed makes a NCCL communicator per pair): the
-        other ranks are not in that call. In-process ranks map each other's memory directly;
-        MPI ranks use CUDA IPC within a node and MPI between nodes
+        communicators). Send/Recv's endpoints carry the messages of one ``route`` (source,
+        destination) each: made by the two ranks alone, both routes of the pair at their
+        first message (as torch.distributed makes a NCCL communicator per pair), while the
+        other ranks are not in that call. One endpoint per route, so that the sending and
+        the receiving worker of a pair never share one (its event and stream order calls
+        made one after another). In-process ranks map each other's memory directly; MPI
+        ranks use CUDA IPC within a node and MPI between nodes
         (``PYCOLL_DEVICE_TRANSPORT=auto|ipc|staged`` forces one; ``staged`` runs MPI even
         within a node).
         """
-        key = (space.name, peer)
+        key = (space.name, route)
         transport = self._device_transports.get(key)
-        if transport is None:
-            if peer is None:
-                transport = self._group_device_transport(space)
-            else:
-                transport = self._pair_device_transport(space, peer)
-            self._device_transports[key] = transport
-            self._apply_timeout()
+        if transport is not None:
+            return transport
+        if route is None:
+            transport = self._device_transports[key] = self._group_device_transport(space)
+        else:
+            peer = route[1] if route[0] == self.rank else route[0]
+            # Both routes of a pair at once, in one order on both ranks; a lock per peer, as
+            # a rank's send and receive workers may both come first (one lock for all peers
+            # could wait in a cycle of ranks).
+            with self._pair_locks.setdefault(peer, threading.Lock()):
+                transport = self._device_transports.get(key)
+                if transport is None:
+                    low, high = sorted((self.rank, peer))
+                    for way in ((low, high), (high, low)):
+                        self._device_transports[(space.name, way)] = (
+                            self._pair_device_transport(space, peer, way))
+                    transport = self._device_transports[key]
+        self._apply_timeout()
         return transport
 
     def _group_device_transport(self, space: Any) -> Any:
@@ -365,11 +380,11 @@ class Communicator:
             return _in_process_device_transport(space, self.transport, self.nodes())
         return _mpi_device_transport(self.mpi_comm, space, self.nodes())
 
-    def _pair_device_transport(self, space: Any, peer: int) -> Any:
+    def _pair_device_transport(self, space: Any, peer: int, route: tuple[int, int]) -> Any:
         pair = sorted((self.rank, peer))
         nodes = [self.nodes()[r] for r in pair]
         if self.mpi_comm is None:
-            host = self.p2p.subgroup(pair, f"{self.p2p.channel}/pair{pair[0]},{pair[1]}")
+            host = self.p2p.subgroup(pair, f"{self.p2p.channel}/route{route[0]}->{route[1]}")
             inner = _in_process_device_transport(space, host, nodes)
         else:
             # Only the pair calls this: MPI_Comm_create_group is collective over its group

@@ -9,6 +9,8 @@ and reusing an inbox only after its readers ran.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from conftest import ALL_DTYPES, exact_input, ops_for
@@ -861,3 +863,37 @@ def test_async_device_send_and_recv_run_on_a_worker_per_direction_and_peer(devic
         2, lambda: body(pycoll.world().rank))
     assert sent_lanes == [("send", 1)] and received_lanes == [("recv", 0)]
     assert got == [5.0, 6.0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_pairs_sends_and_receives_on_two_streams_do_not_race(seed):
+    """Async device Send and Recv between one pair, on two streams and two workers: each
+    route has its endpoint (one endpoint, with one event and one stream, let the receiving
+    worker's record stand for the sending one's, and a peer overwrote a slot still read)."""
+    device = FakeDevice(seed=seed)
+    spaces.register(device)
+
+    def body():
+        rank = pycoll.world().rank
+        if rank == 0:
+            first, second = device.new_stream("A"), device.new_stream("B")
+            got = [device_array(np.zeros(64, np.float32)) for _ in range(2)]
+            works = [pycoll.send(device_array(np.full(64, 5.0, np.float32)), 1, tag=5,
+                                 stream=first, async_op=True),
+                     pycoll.recv(got[0], 1, tag=1, stream=second, async_op=True),
+                     pycoll.recv(got[1], 1, tag=2, stream=second, async_op=True)]
+            for work in works:
+                work.wait()
+            device.synchronize_all()
+            return [host_array(g)[0] for g in got]
+        pycoll.send(device_array(np.full(64, 1.0, np.float32)), 0, tag=1)
+        time.sleep(0.2)  # rank 0's receiving worker delivers tag 1 and posts tag 2 meanwhile
+        got = pycoll.recv(device_array(np.zeros(64, np.float32)), 0, tag=5)
+        pycoll.send(device_array(np.full(64, 2.0, np.float32)), 0, tag=2)
+        device.synchronize()
+        return [host_array(got)[0]]
+
+    try:
+        assert pycoll.run_local(2, body) == [[1.0, 2.0], [5.0]]
+    finally:
+        spaces.unregister(device)
