@@ -252,8 +252,8 @@ class _Case:
         self.out = self.memory.zeros(out_count, dtype, "out")
 
     def fill_for_check(self) -> None:
-        values = _check_values(self.comm.rank, 0, self.x.size, self.op, self.dtype,
-                               self.collective)
+        values = _check_values(self.comm.rank, self.comm.size, 0, self.x.size, self.op,
+                               self.dtype, self.collective)
         with self.memory.on_stream():
             self.x[...] = self.memory.upload(values)
         self.memory.synchronize()
@@ -317,7 +317,7 @@ class _Case:
         c, op, dtype = self.collective, self.op, self.dtype
 
         def values(r: int, lo: int, hi: int) -> np.ndarray:
-            return _check_values(r, lo, hi, op, dtype, c)
+            return _check_values(r, p, lo, hi, op, dtype, c)
 
         if c is Collective.REDUCE_SCATTER:
             base = rank * self.out.size
@@ -401,14 +401,24 @@ class _Memory:
             self.stream.synchronize()
 
 
-def _check_values(rank: int, start: int, stop: int, op: str, dtype: np.dtype,
+def _check_values(rank: int, nranks: int, start: int, stop: int, op: str, dtype: np.dtype,
                   collective: Collective) -> np.ndarray:
-    """Small integers, so that every algorithm's result is exact: position i of rank r."""
+    """Position i of rank r: small integers, so that every algorithm's result is exact, which
+    tell ranks and positions apart in the result. Moved data: 1 + (37r + 11i) mod 101. Reduced
+    data: rank 0 holds a pattern over i, period-free (the exponent of i + 1, plus i, mod 3), so
+    a block moved by any offset shows; rank r > 0 holds 1, and 2 where i mod p = r, so a
+    contribution lost or doubled shows, for sum, avg, prod and max; min takes 4 minus that."""
     index = np.arange(start, stop, dtype=np.int64)
-    if op == "prod":
-        values = 1 + (index + rank) % 2
+    if collective in (Collective.BROADCAST, Collective.ALLGATHER, Collective.ALLTOALL):
+        values = 1 + (37 * rank + 11 * index) % 101
     else:
-        values = 1 + (index * 7 + rank * 3) % 5
+        if rank == 0:
+            exponent = np.frexp((index + 1).astype(np.float64))[1]  # exact below 2**53
+            values = 1 + (exponent + index) % 3
+        else:
+            values = 1 + (index % nranks == rank)
+        if op == "min":
+            values = 4 - values
     return values.astype(np.float64).astype(dtype)
 
 

@@ -227,3 +227,47 @@ def test_json_to_stdout_is_written_once_and_the_table_goes_to_stderr(capsys):
     assert [r["size"] for r in rows] == [24, 96] and all(r["wrong"] == 0 for r in rows)
     assert printed.err.count("#wrong") == 1
     assert printed.err.rstrip().endswith("# out of bounds values: 0 OK")
+
+
+def _blocks_rotated(call):
+    """``call`` (a pycoll collective taking ``out``) whose result's blocks come back rotated
+    by one rank's share: a block placed at the wrong rank."""
+    import numpy as np
+
+    def wrong(x, *args, out=None, comm=None, **kwargs):
+        result = call(x, *args, out=out, comm=comm, **kwargs)
+        if out is not None:  # the benchmark's call (its own sums of #wrong pass no out)
+            out[...] = np.roll(out.reshape(-1), out.size // comm.size).reshape(out.shape)
+        return result
+
+    return wrong
+
+
+def _neighbours_block(x, op="sum", *, out=None, comm=None, **kwargs):
+    """ReduceScatter that returns the next rank's block."""
+    import pycoll
+
+    whole = pycoll.allreduce(x, op, comm=comm)
+    n, source = x.size // comm.size, (comm.rank + 1) % comm.size
+    out[...] = whole[source * n:(source + 1) * n]
+    return out
+
+
+@pytest.mark.parametrize("collective,op,nranks", [
+    ("allreduce", "sum", 4), ("allreduce", "prod", 2), ("allreduce", "min", 5),
+    ("allreduce", "max", 6), ("reduce_scatter", "prod", 2), ("reduce_scatter", "min", 5),
+    ("reduce_scatter", "max", 5), ("reduce_scatter", "sum", 3), ("allgather", "prod", 4),
+])
+def test_the_check_counts_a_misplaced_block(monkeypatch, capsys, collective, op, nranks):
+    """#wrong must see a block at the wrong rank whatever the op and rank count (the values
+    were once alike across blocks for prod at even rank counts and for min and max from 5
+    ranks, and for -o prod in collectives that do not reduce)."""
+    import pycoll
+
+    faulty = (_neighbours_block if collective == "reduce_scatter"
+              else _blocks_rotated(getattr(pycoll, collective)))
+    monkeypatch.setattr(pycoll, collective, faulty)
+    assert main(["bench", collective, "--ranks", str(nranks), "-b", str(64 * nranks), "-e",
+                 str(64 * nranks), "-n", "1", "-w", "0", "-o", op, "--json", "-"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["wrong"] > 0
