@@ -521,15 +521,26 @@ def write_csv(rows: list[Row], path: str) -> None:
 
 
 def _write(text: str, path: str) -> None:
+    write_whole(text + "\n", path)
+
+
+def write_whole(text: str, path: str) -> None:
+    """``text`` into the file ``path`` ('-': stdout), through a symbolic link to where it
+    points. A regular file is written then renamed, so that a run killed mid-write leaves the
+    previous complete file; anything else (/dev/stdout, a pipe) is written to directly."""
     if path == "-":
-        sys.stdout.write(text + "\n")
+        sys.stdout.write(text)
         sys.stdout.flush()
         return
-    # Write then rename, so a run killed mid-write leaves the previous complete file.
-    tmp = f"{path}.tmp"
+    if os.path.exists(path) and not os.path.isfile(path):  # both follow links
+        with open(path, "w") as f:
+            f.write(text)
+        return
+    target = os.path.realpath(path)
+    tmp = f"{target}.tmp"
     with open(tmp, "w") as f:
-        f.write(text + "\n")
-    os.replace(tmp, path)
+        f.write(text)
+    os.replace(tmp, target)
 
 
 class RowStream:

@@ -34,7 +34,6 @@ import functools
 import itertools
 import json
 import math
-import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -295,14 +294,9 @@ def _record(r: KernelRow) -> dict[str, Any]:
 
 def write_json(rows: list[KernelRow], path: str) -> None:
     """Write the rows as JSON to ``path`` ('-': stdout)."""
-    if path == "-":
-        print(json.dumps([_record(r) for r in rows], indent=1), flush=True)
-        return
-    # Write then rename, so a run killed mid-write leaves the previous complete file.
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump([_record(r) for r in rows], f, indent=1)
-    os.replace(tmp, path)
+    from pycoll.bench import write_whole
+
+    write_whole(json.dumps([_record(r) for r in rows], indent=1) + "\n", path)
 
 
 def stream_rows(json_path: str | None = None,

@@ -118,14 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _dtype_name(text: str) -> str:
     from pycoll.bench import dtype_name
 
     return dtype_name(text)
+
+
+def _op_name(text: str) -> str:
+    """An op's own name, in any case given ('SUM' is 'sum', as ReduceOp.parse reads it);
+    a bad one is named by the benchmark's checks."""
+    from pycoll.kernels import ReduceOp
+
+    try:
+        return ReduceOp.parse(text).value
+    except (ValueError, TypeError):
+        return text
 
 
 def _ranks_flag(ranks: int | None) -> None:
@@ -201,7 +208,7 @@ def _bench(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             check=bool(args.check),
             dtype=args.dtype,
-            op=args.op,
+            op=_op_name(args.op),
             root=args.root,
             algorithms=tuple(names),
             against=args.against,
@@ -261,7 +268,8 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
         options = bench.Options(
             collective=args.collective, min_bytes=bench.parse_size(args.min_bytes),
             max_bytes=bench.parse_size(args.max_bytes), step_factor=args.step_factor,
-            iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=args.op, root=args.root,
+            iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=_op_name(args.op),
+            root=args.root,
         )
         bench.validate(options)
         _ranks_flag(args.ranks)
@@ -381,7 +389,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     try:
         sizes = bench.sizes(bench.parse_size(args.min_bytes), bench.parse_size(args.max_bytes),
                             args.step_factor)
-        dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+        dtypes = [bench.dtype_name(d.strip()) for d in args.dtype.split(",") if d.strip()]
         backends = [b.strip() for b in args.backend.split(",") if b.strip()]
         # Each row is printed (and the JSON rewritten) as measured: a killed run keeps them.
         rows = bench_kernels.run(sizes, dtypes, backends, args.op,
@@ -396,3 +404,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
         print(f"pycoll bench kernels: failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -271,3 +271,46 @@ def test_the_check_counts_a_misplaced_block(monkeypatch, capsys, collective, op,
                  str(64 * nranks), "-n", "1", "-w", "0", "-o", op, "--json", "-"]) == 1
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["wrong"] > 0
+
+
+def test_an_op_in_capitals_is_the_op(capsys):
+    assert main(["bench", "--ranks", "2", "-b", "8", "-e", "8", "-n", "1", "-w", "0",
+                 "-o", "PROD", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["redop"] == "prod"
+
+
+def test_kernel_dtypes_are_read_one_by_one(monkeypatch):
+    """nccl-tests' names each: float is float32 and half float16 (numpy would read 'float'
+    as float64)."""
+    from pycoll import bench_kernels
+
+    seen = []
+    monkeypatch.setattr(bench_kernels, "run", lambda sizes, dtypes, *args, **kwargs:
+                        seen.append(dtypes) or [])
+    main(["bench", "kernels", "-b", "1M", "-e", "1M", "-d", "float,half"])
+    assert seen == [["float32", "float16"]]
+
+
+def test_the_cli_module_runs_as_a_script():
+    done = subprocess.run([sys.executable, "-m", "pycoll.cli", "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "usage: pycoll" in done.stdout, done.stderr
+
+
+def test_json_and_csv_go_through_a_symbolic_link(tmp_path):
+    """As --json /dev/stdout would: the link is written through, not replaced by a file."""
+    for flag, name in (("--json", "rows.json"), ("--csv", "rows.csv")):
+        real, link = tmp_path / name, tmp_path / f"link-{name}"
+        real.write_text("")
+        link.symlink_to(real)
+        assert main(["bench", "--ranks", "2", "-b", "8", "-e", "8", "-n", "1", "-w", "0",
+                     flag, str(link)]) == 0
+        assert link.is_symlink() and "allreduce" in real.read_text()
+
+
+def test_json_to_dev_stdout_reaches_a_pipe():
+    done = subprocess.run([sys.executable, "-m", "pycoll", "bench", "--ranks", "2", "-b", "8",
+                           "-e", "8", "-n", "1", "-w", "0", "--json", "/dev/stdout"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count('"collective": "allreduce"') == 1
