@@ -55,7 +55,7 @@ def main(folder: str) -> None:
                 busbw = statistics.median(s[3] for s in samples)
                 ratios[algorithm] = statistics.median(s[1] / s[0] for s in samples if s[0] > 0)
                 natives += [s[4] for s in samples]
-                wrong += sum(s[2] for s in samples)
+                wrong += sum(s[2] or 0 for s in samples)  # None: not checked (-c 0)
                 cells.append(f"{busbw:.3f}")
             cells.append(f"{statistics.median(natives):.3f}")
             best = max((a for a in ratios if a != "auto"), key=ratios.get)

@@ -81,7 +81,7 @@ def main(folder: str) -> None:
                 cells.append("-" if value is None else f"{value:.2f}")
             shared_roof = roof("shared", "two_shot")
             cells.append("-" if shared_roof is None else f"{shared_roof:.0f}%")
-            cells.append(str(sum(r["wrong"] for r in natives)))
+            cells.append(str(sum(r["wrong"] or 0 for r in natives)))  # None: not checked
             print("| " + " | ".join(cells) + " |")
             shm_ratio = ratio("shm", "auto")
             if size >= 1 << 20 and shm_ratio < 2:

@@ -89,7 +89,7 @@ class Row:
     time_us: float
     algbw: float
     busbw: float
-    wrong: int
+    wrong: int | None  # None: not checked (-c 0), as nccl-tests' N/A
     native_time_us: float | None = None
     native_busbw: float | None = None
     ratio: float | None = None
@@ -451,7 +451,7 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
     time_us = float(np.median(slowest[: options.iters])) * 1e6
     native_us = float(np.median(slowest[options.iters:])) * 1e6 if native is not None else None
 
-    wrong = 0
+    wrong = None
     if options.check:
         case.fill_for_check()
         case.call(algorithm)
@@ -495,16 +495,22 @@ def format_header(title: str, against: bool, roofline: bool) -> str:
 
 
 def format_row(r: Row, against: bool, roofline: bool) -> str:
-    return " ".join(f"{_or_zero(getattr(r, field)):>{width}{spec}}"
+    return " ".join(f"{_shown(r, field):>{width}{spec}}"
                     for _, width, field, spec in _columns(against, roofline))
 
 
-def _or_zero(value: object) -> object:
-    return 0 if value is None else value
+def _shown(r: Row, field: str) -> object:
+    value = getattr(r, field)
+    if value is None:
+        return "N/A" if field == "wrong" else 0  # not checked; a column not measured
+    return value
 
 
 def format_footer(rows: list[Row]) -> str:
-    wrong = sum(r.wrong for r in rows)
+    checked = [r.wrong for r in rows if r.wrong is not None]
+    if not checked:
+        return "# out of bounds values: not checked (-c 0)"
+    wrong = sum(checked)
     return f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}"
 
 

@@ -257,7 +257,7 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     if rank == 0:
         stream.close(rows)
-    return 0 if all(r.wrong == 0 for r in rows) else 1
+    return 0 if all(not r.wrong for r in rows) else 1  # None: not checked
 
 
 def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:

@@ -314,3 +314,13 @@ def test_json_to_dev_stdout_reaches_a_pipe():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count('"collective": "allreduce"') == 1
+
+
+def test_without_the_check_nothing_is_said_to_be_right(capsys):
+    """-c 0: #wrong is N/A (nccl-tests' word), null in JSON, and the footer says so."""
+    assert main(["bench", "--ranks", "2", "-b", "8", "-e", "8", "-n", "1", "-w", "0", "-c", "0",
+                 "--csv", "-"]) == 0
+    captured = capsys.readouterr()  # the table on stderr, the CSV on stdout
+    assert "N/A" in captured.err and "# out of bounds values: not checked (-c 0)" in captured.err
+    header, row = captured.out.strip().splitlines()
+    assert dict(zip(header.split(","), row.split(",")))["wrong"] == ""
