@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -111,6 +112,20 @@ class Topology:
 
     @classmethod
     def from_json(cls, data: dict, source: str = "") -> Topology:
+        try:
+            return cls._from_json(data, source)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            if isinstance(error, ValueError) and str(error).startswith("topology "):
+                raise
+            raise ValueError(
+                f"topology {source or '?'}: {type(error).__name__}: {error}; allowed: an object "
+                "of the keys to_json writes, intra and inter each with numbers alpha and beta, "
+                "curves as [bytes, value] pairs, every cost >= 0") from None
+
+    @classmethod
+    def _from_json(cls, data: dict, source: str) -> Topology:
+        if not isinstance(data, dict):
+            raise ValueError(f"topology {source or '?'}: {data!r} is not a JSON object")
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(data) - known
         if unknown:
@@ -131,6 +146,11 @@ class Topology:
         topology = cls(**values)
         if topology.ports not in ("single", "multi"):
             raise ValueError(f"topology ports={topology.ports!r}; allowed: 'single', 'multi'")
+        costs = [topology.intra.alpha, topology.intra.beta, topology.inter.alpha,
+                 topology.inter.beta, topology.gamma, topology.delta]
+        if any(not cost >= 0 for cost in costs):  # NaN too
+            raise ValueError(f"topology {source or topology.name}: a cost below 0 in {costs}; "
+                             "allowed: costs >= 0")
         return replace(topology, source=source or topology.source)
 
 
@@ -387,7 +407,11 @@ def save_tuning(topologies: list[tuple[str, Topology]], path: Path | None = None
     """Write (kind, topology) pairs into the tuning file, replacing those of the same kind and
     rank count and keeping the rest; returns the file's path."""
     path = tuning_path() if path is None else path
-    current = load_tuning(path)
+    try:
+        current = load_tuning(path)
+    except ValueError as unreadable:  # what `pycoll tune` is told to fix: start it afresh
+        print(f"pycoll: {unreadable}; writing a new one", file=sys.stderr)
+        current = {}
     for kind, topology in topologies:
         kept = [t for t in current.get(kind, []) if t.nranks != topology.nranks]
         current[kind] = sorted(kept + [topology], key=lambda t: t.nranks)

@@ -66,6 +66,32 @@ def test_model_command_prints_every_algorithm_and_the_crossover(capsys):
     assert "# 16 ranks: tree predicted faster than ring" in out
 
 
+@pytest.mark.parametrize("text,message", [
+    ('{"intra": {"alpha": 1e-6}}', "KeyError: 'beta'"),
+    ('{"gamma": "fast"}', "TypeError"),
+    ('{"intra": {"alpha": -1, "beta": 1e-9}}', "a cost below 0"),
+    ("[1, 2]", "is not a JSON object"),
+])
+def test_a_bad_topology_file_is_named_not_a_traceback(tmp_path, capsys, text, message):
+    path = tmp_path / "topology.json"
+    path.write_text(text)
+    assert main(["model", "--ranks", "4", "-b", "8", "-e", "8", "--topology", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"topology {path}" in err and message in err
+
+
+def test_tune_rewrites_a_tuning_file_it_cannot_read(tmp_path, capsys):
+    """The unreadable file's error says to run pycoll tune: that must then work."""
+    path = tmp_path / "tuning.json"
+    path.write_text("{ not json")
+    with pytest.raises(ValueError, match="unreadable"):
+        model.load_tuning(path)
+    topology = scaling.builtin_topologies()["ethernet"]
+    model.save_tuning([("local", topology)], path)
+    assert [t.nranks for t in model.load_tuning(path)["local"]] == [topology.nranks]
+    assert "writing a new one" in capsys.readouterr().err
+
+
 def test_topology_files_load_by_path(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(scaling.builtin_topologies()["ethernet"].to_json()))
