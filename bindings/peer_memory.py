@@ -59,6 +59,7 @@ _HANDLE_WORDS = HANDLE_BYTES // 8
 # credit: inbox handle, event handle, capacity, offset, bytes; notice: bytes, event handle
 _CREDIT_WORDS = 2 * _HANDLE_WORDS + 3
 _NOTICE_WORDS = 1 + _HANDLE_WORDS
+_COUNTS_DISAGREE = -1  # a notice's byte count when the sender found the counts differ
 
 
 class PeerAccess(Protocol):
@@ -326,10 +327,21 @@ class PeerMemoryTransport:
         r.notice_request = self.notices.isend(r.notice, r.peer, r.tag)
 
     def _write(self, r: _Outgoing) -> None:
-        self.space.copy(self._peer_slot(r), r.buf.reshape(-1))
+        try:
+            slot = self._peer_slot(r)
+        except ValueError:  # counts that disagree: the receiver is told, and raises too
+            r.notice[0] = _COUNTS_DISAGREE
+            r.notice_request = self.notices.isend(r.notice, r.peer, r.tag)
+            raise
+        self.space.copy(slot, r.buf.reshape(-1))
         self._notify(r)
 
     def _deliver(self, r: _Incoming) -> None:
+        if r.notice[0] == _COUNTS_DISAGREE:
+            raise ValueError(
+                f"rank {self.names[self.rank]} expects {r.buf.nbytes} bytes from rank "
+                f"{self.names[r.peer]} (tag {r.tag}), which sends another count; the ranks "
+                "disagree on counts")
         incoming = self.space.view(r.inbox.allocation, r.offset, r.buf.size, r.buf.dtype)
         forward = r.forward
         if forward is not None:  # the peer's slot first: its credit may still be on the way

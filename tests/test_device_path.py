@@ -546,6 +546,16 @@ def test_send_recv_errors_name_the_communicators_ranks(peer_device):
     with pytest.raises(ValueError, match="rank 0 sends 16 bytes to rank 3, which expects 20"):
         pycoll.run_local(4, mismatch)
 
+    def receiver_told():  # the receiver raises too, rather than wait for data never sent
+        try:
+            mismatch()
+        except ValueError as error:
+            return str(error)
+
+    assert pycoll.run_local(4, receiver_told)[3] == (
+        "rank 3 expects 20 bytes from rank 0 (tag 1), which sends another count; the ranks "
+        "disagree on counts")
+
 
 @pytest.mark.parametrize("nranks", [1, 2, 3])
 def test_async_calls_on_device_arrays_run_on_the_callers_stream(device, nranks):
