@@ -21,6 +21,8 @@ import numpy as np
 import pycoll
 from pycoll.comm import Communicator
 
+NUMBER, REPEAT = 2000, 25  # calls per timing, timings per round
+
 
 class NullTransport:
     """Two ranks that never talk: every send and receive completes at once."""
@@ -88,7 +90,7 @@ def main(rounds: int = 3, which: str = "calls") -> None:
     for _ in range(rounds):
         for name, call in (layers if which == "--layers" else calls)(comm).items():
             timer = timeit.Timer(call, timer=time.thread_time)
-            seconds = min(timer.repeat(number=2000, repeat=25)) / 2000
+            seconds = min(timer.repeat(number=NUMBER, repeat=REPEAT)) / NUMBER
             best[name] = min(best.get(name, seconds), seconds)
     for name, seconds in best.items():
         print(f"{name:>22}: {seconds * 1e6:6.2f} us per call (2 ranks, 8 B; lowest of {rounds} "

@@ -196,6 +196,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     try:
         names = list(dict.fromkeys(a.strip() for a in args.algorithm.split(",") if a.strip()))
+        if "all" in names and len(names) > 1:
+            raise ValueError(f"--algorithm={args.algorithm!r}: 'all' stands alone (it is every "
+                             "family and auto)")
         if names == ["all"]:
             collective = bench.COLLECTIVES.get(args.collective)
             names = (families_for(collective) + ["auto"]) if collective else ["auto"]

@@ -64,6 +64,7 @@ def test_in_process_sweep_checks_every_size(collective, capsys, tmp_path):
     (["--ranks", "2", "-d", "bool"], "dtype='bool' is not supported"),
     (["nonsense", "--ranks", "2"], "collective='nonsense' is unknown"),
     (["--device", "cuda", "--against", "mpi"], "--against mpi times host arrays only"),
+    (["--ranks", "2", "--algorithm", "all,ring"], "'all' stands alone"),
 ])
 def test_bad_options_are_named(args, message, capsys):
     assert main(["bench", *args]) == 2
