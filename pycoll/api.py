@@ -17,7 +17,7 @@ import numpy as np
 
 from pycoll import agree, algorithms, select, verify
 from pycoll.bindings.transport import CollectiveTimeout, WaitTimeout
-from pycoll.comm import Communicator, world
+from pycoll.comm import Communicator, is_int, world
 from pycoll.execute import compile_program, run, some_rank_forwards
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
 from pycoll.schedule import Collective, Layout, split
@@ -525,10 +525,7 @@ def send(
     if async_op:
         return _posted(comm, "send", x, dst, tag, stream) or _submit(
             send, "send", x, dst, tag, comm=comm, stream=stream, lane=("send", _number(dst)))
-    comm = _comm(comm, drain=False)  # Send/Recv are ordered per peer, not with collectives
-    space = _space(x, "send")
-    dst = _peer(dst, comm, "send", "dst")
-    tag = _tag(tag, "send")
+    comm, space, dst, tag = _point_to_point_arguments(comm, "send", x, dst, tag)
     if space.is_device:
         comm.drain(("send", dst))  # a pair's device Send/Recv run in call order
     with space.using(stream):
@@ -543,11 +540,7 @@ def recv(
     if async_op:
         return _posted(comm, "recv", out, src, tag, stream) or _submit(
             recv, "recv", out, src, tag, comm=comm, stream=stream, lane=("recv", _number(src)))
-    comm = _comm(comm, drain=False)
-    space = _space(out, "recv", "out")
-    _writable(out, "out", "recv")
-    src = _peer(src, comm, "recv", "src")
-    tag = _tag(tag, "recv")
+    comm, space, src, tag = _point_to_point_arguments(comm, "recv", out, src, tag)
     if space.is_device:
         comm.drain(("recv", src))
     with space.using(stream):
@@ -563,17 +556,25 @@ def _posted(comm: Communicator | None, direction: str, buf: Any, peer: Any, tag:
     in call order; bad arguments, whose error that worker raises at ``wait()``)."""
     if stream is not None or space_of(buf) is not HOST:
         return None
-    sending = direction == "send"
     try:
-        comm = _comm(comm, drain=False)
-        _space(buf, direction, "x" if sending else "out")
-        if not sending:
-            _writable(buf, "out", "recv")
-        peer = _peer(peer, comm, direction, "dst" if sending else "src")
-        tag = _tag(tag, direction)
+        comm, _, peer, tag = _point_to_point_arguments(comm, direction, buf, peer, tag)
     except (TypeError, ValueError, RuntimeError):
         return None
+    sending = direction == "send"
     return _post(comm, sending, buf.reshape(-1), peer, tag, None if sending else buf)
+
+
+def _point_to_point_arguments(comm: Communicator | None, direction: str, buf: Any, peer: Any,
+                              tag: Any) -> tuple[Communicator, Any, int, int]:
+    """Send's or Recv's arguments, checked: the communicator, ``buf``'s space, the peer and
+    the tag. Send/Recv are ordered per peer, not with collectives: no drain here."""
+    sending = direction == "send"
+    comm = _comm(comm, drain=False)
+    space = _space(buf, direction, "x" if sending else "out")
+    if not sending:
+        _writable(buf, "out", "recv")
+    peer = _peer(peer, comm, direction, "dst" if sending else "src")
+    return comm, space, peer, _tag(tag, direction)
 
 
 def _post(comm: Communicator, sending: bool, flat: np.ndarray, peer: int, tag: int,
@@ -597,8 +598,7 @@ def _post(comm: Communicator, sending: bool, flat: np.ndarray, peer: int, tag: i
 def _number(value: Any) -> int:
     """An int of a rank given as an int or numpy integer; -1 for anything else (whose error
     comes from the call that checks it)."""
-    valid = isinstance(value, int | np.integer) and not isinstance(value, bool)
-    return int(value) if valid else -1
+    return int(value) if is_int(value) else -1
 
 
 def plan(
@@ -621,7 +621,7 @@ def plan(
     kind = valid.get(collective.value if isinstance(collective, Collective) else collective)
     if kind is None:
         raise ValueError(f"plan: collective={collective!r} is unknown; allowed: {', '.join(valid)}")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int | np.integer) or nbytes < 0:
+    if not is_int(nbytes) or nbytes < 0:
         raise ValueError(f"plan: nbytes={nbytes!r} is invalid; allowed: an int >= 0")
     dtype = check_dtype(dtype)
     if kind is Collective.ALLTOALL and algorithm == "auto":
@@ -656,8 +656,7 @@ def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,
     comm = _comm(comm)
     dtype = check_dtype(dtype)
     dims = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
-    if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0
-               for d in dims):
+    if not all(is_int(d) and d >= 0 for d in dims):
         raise ValueError(f"empty: shape={shape!r} is invalid; allowed: ints >= 0")
     return comm.shared_empty(tuple(int(d) for d in dims), dtype)
 
@@ -818,8 +817,7 @@ def _root(root: int, comm: Communicator, collective: str) -> int:
 
 
 def _peer(peer: int, comm: Communicator, collective: str, name: str, allow_self=False) -> int:
-    valid = isinstance(peer, int | np.integer) and not isinstance(peer, bool)
-    if not valid or not 0 <= peer < comm.size or (not allow_self and peer == comm.rank):
+    if not is_int(peer) or not 0 <= peer < comm.size or (not allow_self and peer == comm.rank):
         others = "" if allow_self else f", other than this rank {comm.rank}"
         raise ValueError(
             f"{collective}: {name}={peer!r} is not a rank; allowed: 0..{comm.size - 1}{others}"
@@ -828,7 +826,7 @@ def _peer(peer: int, comm: Communicator, collective: str, name: str, allow_self=
 
 
 def _tag(tag: int, collective: str) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, int | np.integer) or not 0 <= tag < 32767:
+    if not is_int(tag) or not 0 <= tag < 32767:
         raise ValueError(f"{collective}: tag={tag!r} is invalid; allowed: an int in 0..32766")
     return int(tag)
 

@@ -468,9 +468,9 @@ class Communicator:
         """
         if self.freed:
             raise RuntimeError(f"{self!r} was freed (Communicator.free); allowed: a live one")
-        if color is not None and (not _is_int(color) or color < 0):
+        if color is not None and (not is_int(color) or color < 0):
             raise ValueError(f"split: color={color!r} is invalid; allowed: an int >= 0 or None")
-        if not _is_int(key):
+        if not is_int(key):
             raise ValueError(f"split: key={key!r} is invalid; allowed: an int")
         color, key = None if color is None else int(color), int(key)  # numpy ints too
         if self.mpi_comm is not None:
@@ -512,7 +512,7 @@ class Communicator:
         return f"Communicator(rank={self.rank}, size={self.size}, {kind})"
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     """An int or numpy integer, not a bool (as roots, peers and counts are checked)."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
@@ -714,7 +714,7 @@ def new_group(ranks: Sequence[int], comm: Communicator | None = None) -> Communi
     """
     comm = world() if comm is None else comm
     members = list(ranks)
-    valid = all(_is_int(r) for r in members)
+    valid = all(is_int(r) for r in members)
     members = [int(r) for r in members] if valid else members  # numpy ints too
     if not members or not valid or len(set(members)) != len(members) or not all(
         0 <= r < comm.size for r in members
