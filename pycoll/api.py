@@ -675,8 +675,35 @@ def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs:
         # rule too), on the caller's GPU (CUDA's current device is per thread).
         if kwargs.get("stream", False) is None:
             kwargs["stream"] = space.current_stream()
+        if space.names_a_thread(kwargs.get("stream")):
+            fn, finish = _handed_over(fn, space, kwargs)
+            return comm.submit(_on_device(fn, space, space.current_device()), what, *args,
+                               comm=comm, **kwargs).then(finish)
         fn = _on_device(fn, space, space.current_device())
     return comm.submit(fn, what, *args, comm=comm, **kwargs)
+
+
+def _handed_over(fn: Any, space: Any, kwargs: dict) -> tuple[Any, Any]:
+    """``fn`` for the worker when the caller's stream is CUDA's per-thread default, which the
+    worker cannot name (the handle is its own stream there): ``fn`` runs on a stream of its
+    own after an event recorded on the caller's, and ``wait()`` orders the waiting thread's
+    current stream after it (as torch.distributed's ``Work.wait``)."""
+    with space.using(kwargs["stream"]):
+        ready = space.record_new_event()
+    kwargs["stream"] = own = space.new_stream()
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with space.using(own):
+            space.wait(ready)
+            result = fn(*args, **kwargs)
+            return result, space.record_new_event()
+
+    def finish(result_and_done: tuple[Any, Any]) -> Any:
+        result, done = result_and_done
+        space.wait(done)
+        return result
+
+    return call, finish
 
 
 def _on_device(fn: Any, space: Any, device: Any) -> Any:

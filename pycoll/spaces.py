@@ -161,6 +161,15 @@ class CudaSpace:
     def current_stream(self) -> Any:
         return self._cupy.cuda.get_current_stream()
 
+    def names_a_thread(self, stream: Any) -> bool:
+        """Whether ``stream`` is CUDA's per-thread default stream (CuPy's ``Stream.ptds``,
+        current under ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``): its handle names, in each
+        thread, that thread's own stream, so no other thread can enqueue on the caller's."""
+        return stream is not None and stream.ptr == self._cupy.cuda.runtime.streamPerThread
+
+    def new_stream(self) -> Any:
+        return self._cupy.cuda.Stream()
+
     def current_device(self) -> int:
         return self._cupy.cuda.runtime.getDevice()
 

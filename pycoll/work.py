@@ -27,6 +27,12 @@ class Work:
 
     def __init__(self, future: Future, what: str, parked: Callable[[str, list[Future]], Any]):
         self._future, self._what, self._parked = future, what, parked
+        self._finish: Callable[[Any], Any] | None = None
+
+    def then(self, finish: Callable[[Any], Any]) -> Work:
+        """``wait()`` returns ``finish(what the call returned)``, run in the waiting thread."""
+        self._finish = finish
+        return self
 
     def done(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks."""
@@ -36,7 +42,8 @@ class Work:
         """Block until the collective has finished; return its result (what the blocking call
         returns), or raise what it raised."""
         with self._parked(self._what, [self._future]):
-            return self._future.result()
+            result = self._future.result()
+        return result if self._finish is None else self._finish(result)
 
     def __repr__(self) -> str:
         return f"Work({self._what}, {'done' if self.done() else 'in flight'})"

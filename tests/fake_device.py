@@ -77,6 +77,27 @@ class FakeStream:
         return f"FakeStream({self.name})"
 
 
+class PerThreadDefaultStream(FakeStream):
+    """CUDA's per-thread default stream (CuPy's ``Stream.ptds``, what
+    ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1`` makes current): one handle that names, in each
+    thread, that thread's own stream."""
+
+    def __init__(self, device: FakeDevice):
+        self.device = device
+
+    @property
+    def name(self) -> str:
+        return self.device._own_stream().name
+
+    @property
+    def last(self) -> _Op | None:
+        return self.device._own_stream().last
+
+    @last.setter
+    def last(self, op: _Op | None) -> None:
+        self.device._own_stream().last = op
+
+
 class FakeEvent:
     def __init__(self) -> None:
         self.op: _Op | None = None  # the stream position of the latest record
@@ -164,7 +185,7 @@ class FakeDevice:
     is_device = True
     ipc_access = None  # one process: under MPI only the staged transport applies
 
-    def __init__(self, seed: int = 0, name: str = "fake"):
+    def __init__(self, seed: int = 0, name: str = "fake", per_thread_default: bool = False):
         self.name = name
         self._lock = threading.RLock()
         self._rng = random.Random(seed)
@@ -176,6 +197,9 @@ class FakeDevice:
         self.copy_pairs = 0  # copy_pair launches (the ring's receive-copy-send)
         self.allocations: list[FakeAllocation] = []
         self._freed: dict[int, np.ndarray] = {}  # id -> buffer of each freed allocation
+        # A thread's current stream when none is set: its own (as each thread's own legacy
+        # stream would be), or one handle naming each thread's own (CUDA's per-thread default)
+        self.per_thread = PerThreadDefaultStream(self) if per_thread_default else None
 
     # -- streams
 
@@ -200,8 +224,19 @@ class FakeDevice:
     def current_stream(self) -> FakeStream:
         stream = getattr(self._local, "stream", None)
         if stream is None:
-            stream = self._local.stream = self.new_stream(threading.current_thread().name)
+            if self.per_thread is not None:
+                return self.per_thread
+            stream = self._local.stream = self._own_stream()
         return stream
+
+    def _own_stream(self) -> FakeStream:
+        stream = getattr(self._local, "own", None)
+        if stream is None:
+            stream = self._local.own = self.new_stream(threading.current_thread().name)
+        return stream
+
+    def names_a_thread(self, stream: Any) -> bool:
+        return stream is not None and stream is self.per_thread
 
     @contextlib.contextmanager
     def using(self, stream: Any) -> Iterator[None]:

@@ -557,17 +557,35 @@ def test_send_recv_errors_name_the_communicators_ranks(peer_device):
         "disagree on counts")
 
 
+@pytest.fixture(params=[(mode, per_thread) for per_thread in (False, True) for mode in MODES],
+                ids=lambda p: p[0] + ("-per-thread-default" if p[1] else ""))
+def any_default_device(request, monkeypatch):
+    """The stand-in, also with CUDA's per-thread default stream current in every thread."""
+    mode, per_node = MODES[request.param[0]]
+    monkeypatch.setenv("PYCOLL_DEVICE_TRANSPORT", mode)
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", per_node)
+    fake = FakeDevice(seed=hash(request.node.name) % 1000, per_thread_default=request.param[1])
+    spaces.register(fake)
+    yield fake
+    spaces.unregister(fake)
+
+
 @pytest.mark.parametrize("nranks", [1, 2, 3])
-def test_async_calls_on_device_arrays_run_on_the_callers_stream(device, nranks):
+def test_async_calls_on_device_arrays_run_on_the_callers_stream(any_default_device, nranks):
     """async_op=True without stream=: the call is ordered on the caller's current stream (as
     a blocking call is), not the async worker's: it sees the work queued before it, and the
-    caller's stream completes it."""
+    caller's stream completes it. Under CUDA's per-thread default stream, whose handle names
+    the worker's own stream there, it runs after the caller's work too, and after ``wait()``
+    the caller's stream runs after it."""
+    device = any_default_device
     inputs = [np.arange(100, dtype=np.int64) * (r + 2) for r in range(nranks)]
 
     def body(rank):
         x = device.empty(100, np.int64)  # poisoned until the copy below runs
         device.copy(x, device_array(inputs[rank]))  # queued on this thread's stream
         out = pycoll.allreduce(x, algorithm="ring", async_op=True).wait()
+        after = device.empty(100, np.int64)
+        device.copy(after, out)  # the caller's stream, after wait()
         got = device_array(np.zeros(6, np.int64))
         if nranks > 1:  # a Send/Recv too, between the first and last rank
             if rank == 0:
@@ -575,11 +593,11 @@ def test_async_calls_on_device_arrays_run_on_the_callers_stream(device, nranks):
             elif rank == nranks - 1:
                 pycoll.recv(got, 0, tag=7, async_op=True).wait()
         device.synchronize()  # this thread's stream only
-        return host_array(out), host_array(got)
+        return host_array(after), host_array(got)
 
     results = pycoll.run_local(nranks, lambda: body(pycoll.world().rank))
-    for rank, (out, got) in enumerate(results):
-        np.testing.assert_array_equal(out, oracle.allreduce(inputs, "sum"))
+    for rank, (after, got) in enumerate(results):
+        np.testing.assert_array_equal(after, oracle.allreduce(inputs, "sum"))
         if nranks > 1 and rank == nranks - 1:
             np.testing.assert_array_equal(got, inputs[0][:6])
 

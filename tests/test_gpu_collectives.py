@@ -167,6 +167,29 @@ def test_async_calls_run_on_the_callers_stream():
 
 
 @needs_gpu
+def test_async_calls_on_the_per_thread_default_stream():
+    """On CUDA's per-thread default stream (whose handle names the worker's own stream there)
+    the call runs after the caller's work queued before it, and after wait() the caller's
+    per-thread stream runs after the call."""
+    import cupy
+    import numpy as np
+
+    inputs = [np.arange(1 << 16, dtype=np.int64) * (r + 2) for r in range(3)]
+
+    def body():
+        rank = pycoll.world().rank
+        with cupy.cuda.Stream.ptds:
+            x = cupy.asarray(inputs[rank]) * 1  # queued on this thread's stream
+            out = pycoll.allreduce(x, algorithm="ring", async_op=True).wait()
+            after = out + 0  # this thread's stream, after wait()
+            cupy.cuda.Stream.ptds.synchronize()
+        return after.get()
+
+    for got in pycoll.run_local(3, body):
+        np.testing.assert_array_equal(got, oracle.allreduce(inputs, "sum"))
+
+
+@needs_gpu
 @pytest.mark.parametrize("op", ["sum", "avg"])
 def test_complex_cupy_arrays_reduce_as_float_pairs(op):
     import cupy
