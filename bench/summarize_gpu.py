@@ -121,7 +121,7 @@ def collective_section(folder: Path) -> list[str]:
         return [*lines, "No collective results.", ""]
     lines += ["| collective | ranks | rows | #wrong | sizes | fastest at the largest size | exit |",
               "|---|---|---|---|---|---|---|"]
-    total_wrong, unfinished = 0, []
+    total_wrong, unfinished, unchecked = 0, [], []
     staged = False
     for name in sorted(set(files) | set(exits)):
         rows = json.loads(files[name].read_text()) if name in files else []
@@ -136,20 +136,27 @@ def collective_section(folder: Path) -> list[str]:
             collective, ranks = name.removeprefix(variant).rsplit("-", 1)
             lines.append(f"| {collective}{label} | {ranks} | 0 | - | - | - | {said} |")
             continue
-        wrong = sum(r["wrong"] for r in rows)
+        checked = [r for r in rows if r["wrong"] is not None]  # None: run with --check 0
+        wrong = sum(r["wrong"] for r in checked)
         total_wrong += wrong if in_bar else 0
+        if in_bar and len(checked) < len(rows):
+            unchecked.append(name)
         largest = max(r["size"] for r in rows)
         at_largest = [r for r in rows if r["size"] == largest and r["algorithm"] != "auto"]
         fastest = min(at_largest, key=lambda r: r["time_us"]) if at_largest else None
         best = (f"{fastest['algorithm']} ({fastest['busbw']:.1f} GB/s busbw)"
                 if fastest else "-")
         sizes = f"{human(min(r['size'] for r in rows))} .. {human(largest)}"
+        missing = len(rows) - len(checked)
+        not_checked = f" ({missing} not checked)" if missing else ""
         lines.append(f"| {rows[0]['collective']}{label} | {rows[0]['nranks']} | {len(rows)} | "
-                     f"{wrong} | {sizes} | {best} | {said} |")
+                     f"{wrong}{not_checked} | {sizes} | {best} | {said} |")
     if total_wrong == 0 and unfinished:
         said = ", ".join(f"{name}: exit {exits[name]}" for name in unfinished)
         verdict = (f"not shown: {len(unfinished)} run(s) did not finish ({said}; exit 124 is "
                    "gpu_check.sh's time limit, 2 a refusal such as no GPU)")
+    elif total_wrong == 0 and unchecked:
+        verdict = f"not shown: rows run without --check in {', '.join(unchecked)}"
     else:
         verdict = _verdict(total_wrong == 0)
     lines += ["", f"Bar, every multi-rank IPC collective #wrong = 0: {verdict}"

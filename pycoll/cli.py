@@ -375,9 +375,13 @@ def _tune(args: argparse.Namespace) -> int:
             local_ranks = tuple(int(r) for r in args.ranks.split(",") if r.strip())
         except ValueError:
             local_ranks = ()
-        if not local_ranks or any(r < 2 for r in local_ranks) or not sizes:
-            raise ValueError(f"--ranks={args.ranks!r} --max-bytes={args.max_bytes!r}; "
-                             "allowed: rank counts >= 2 and a size >= 8")
+        if not local_ranks or any(r < 2 for r in local_ranks):
+            raise ValueError(f"--ranks={args.ranks!r}; allowed: rank counts >= 2, "
+                             "comma-separated")
+        if len(sizes) < 2:  # a line (fixed cost and cost per byte) needs two sizes
+            raise ValueError(f"--max-bytes={args.max_bytes!r} leaves {len(sizes)} size(s) of "
+                             f"{tune.STEP_SIZES[:2]} to fit; allowed: {tune.STEP_SIZES[1]} "
+                             "bytes or more")
         tune.tune(Path(args.output) if args.output else None, args.repeats, sizes,
                   local_ranks, local_sizes=local)
     except (ValueError, OSError) as error:

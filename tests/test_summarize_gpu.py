@@ -186,3 +186,15 @@ def test_a_collective_run_stopped_by_the_time_limit_keeps_the_bar_from_being_met
     (tmp_path / "collectives.txt").write_text(
         "# allreduce on 2 ranks: exit 0\n# allgather on 4 ranks: exit 0\n")
     assert "#wrong = 0: met (0 wrong values in all)" in summarize_gpu.main(str(tmp_path))
+
+
+def test_rows_run_without_the_check_keep_the_bar_from_being_met(tmp_path):
+    """`pycoll bench -c 0` writes #wrong None: such rows are shown as not checked and
+    count for no bar (the summary raised TypeError on them)."""
+    write(tmp_path, collectives={"allreduce-2.json": [
+        collective("allreduce", 2, MiB, "ring", 9),
+        collective("allreduce", 2, MiB, "direct", 10, wrong=None)]})
+    page = summarize_gpu.main(str(tmp_path))
+    assert "| allreduce | 2 | 2 | 0 (1 not checked) | 1 MiB .. 1 MiB |" in page
+    assert ("#wrong = 0: not shown: rows run without --check in allreduce-2 "
+            "(0 wrong values in all)") in page

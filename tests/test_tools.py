@@ -92,6 +92,20 @@ def test_tune_rewrites_a_tuning_file_it_cannot_read(tmp_path, capsys):
     assert "writing a new one" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,says", [
+    (["-e", "8"], "--max-bytes='8' leaves 1 size(s) of [8, 64] to fit; allowed: 64 bytes"),
+    (["-e", "4"], "--max-bytes='4' leaves 0 size(s)"),
+    (["--ranks", "1,2"], "--ranks='1,2'; allowed: rank counts >= 2"),
+])
+def test_tune_refuses_what_it_cannot_fit(tmp_path, capsys, args, says):
+    """One size cannot fit a fixed cost and a cost per byte (it wrote a tuning file that
+    priced every other size from that one point)."""
+    path = tmp_path / "tuning.json"
+    assert main(["tune", "--output", str(path), "--repeats", "1", *args]) == 2
+    assert says in capsys.readouterr().err
+    assert not path.exists()
+
+
 def test_topology_files_load_by_path(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(scaling.builtin_topologies()["ethernet"].to_json()))
