@@ -524,7 +524,7 @@ class SharedMemoryTransport:
             if len(self._small_views) >= SMALL_VIEWS_KEPT:  # sizes that vary call to call
                 self._small_views.clear()
             # what every rank must agree on: count and dtype, in one word
-            entry = (self._slot_views(x.dtype, x.size), x.size << 16 | x.dtype.num & 0xFFFF)
+            entry = (self._slot_views(x.dtype, x.size), x.size << 16 | _dtype_number(x.dtype))
             self._small_views[key] = entry
         views, signature = entry
         slots = views[seq & 1]
@@ -541,6 +541,7 @@ class SharedMemoryTransport:
                 while control[flag] < seq:
                     idle = self._idle(idle, (i,))
         self._fence()
+        self._small_seq = seq  # published, so spent even when the ranks disagree below
         for i, control in self._peer_controls:
             if control[agreed] != signature:
                 theirs = int(control[agreed])
@@ -550,7 +551,6 @@ class SharedMemoryTransport:
                     f"{_dtype_name(theirs & 0xFFFF)}; every rank must pass the same count and "
                     "dtype"
                 )
-        self._small_seq = seq
         return slots
 
     def _slot_views(self, dtype: np.dtype, count: int) -> tuple:
@@ -619,6 +619,13 @@ def segment_bytes(count: int, ring_bytes: int = RING_BYTES, small_bytes: int = S
 
 def ring_bytes_from_env() -> int:
     return _env_bytes("PYCOLL_SHM_RING_BYTES", RING_BYTES)
+
+
+def _dtype_number(dtype: np.dtype) -> int:
+    """``dtype``'s number, the same for equal dtypes (int64 and longlong differ in ``num``)."""
+    if dtype.kind in "biufc":
+        dtype = np.dtype(dtype.str)
+    return dtype.num & 0xFFFF
 
 
 def _dtype_name(number: int) -> str:

@@ -285,6 +285,11 @@ def test_one_shot_ranks_that_disagree_fail_on_every_rank(monkeypatch):
             pycoll.allreduce(np.ones(3, np.float32 if rank == 0 else np.int64))
         except ValueError as error:
             errors.append(str(error))
+        # the communicator stays usable: each later call is right (it read the failed
+        # call's slots, or raised its error again); equal dtypes of two numpy types agree
+        for k in range(3):
+            x = np.arange(8, dtype=np.longlong if rank == 0 else np.int64) * (rank + 1) + k
+            np.testing.assert_array_equal(pycoll.allreduce(x), np.arange(8) * 3 + 2 * k)
 
     run(2, body)
     assert sorted(errors) == [
