@@ -37,7 +37,12 @@ def mpi():
 
 
 class MPITransport:
-    """One rank's endpoint on an mpi4py communicator (a private duplicate of the caller's)."""
+    """One rank's endpoint on an mpi4py communicator (a private duplicate of the caller's).
+
+    A message longer or shorter than its receive buffer is a ValueError naming both sizes:
+    every receive of a collective or Send/Recv expects exactly what its peer sends, and ranks
+    that disagree on counts would otherwise get MPI's truncation error on one side and data
+    silently short on the other."""
 
     def __init__(self, comm):
         self.comm = comm
@@ -45,8 +50,12 @@ class MPITransport:
         self.size = comm.Get_size()
         self._MPI = mpi()
         self._byte = self._MPI.BYTE
+        self._status = self._MPI.Status()  # the small-message Sendrecv's
         self.timeout: float | None = None  # seconds each wait may take (None: no deadline)
         self._peer_of: dict[int, int] = {}  # id(request) -> peer, while a deadline applies
+        # id(request) -> (request, bytes, peer, tag): the request is held so that its id is not
+        # reused while its entry stays (one abandoned by an error)
+        self._expected: dict[int, tuple[Any, int, int, int]] = {}
 
     def isend(self, buf: np.ndarray, peer: int, tag: int):
         request = self.comm.Isend([buf, buf.nbytes, self._byte], peer, tag)
@@ -58,22 +67,36 @@ class MPITransport:
         request = self.comm.Irecv([buf, buf.nbytes, self._byte], peer, tag)
         if self.timeout is not None:
             self._peer_of[id(request)] = peer
+        self._expected[id(request)] = (request, buf.nbytes, peer, tag)
         return request
 
-    def waitall(self, requests: list, statuses: list | None = None) -> None:
-        if self.timeout is not None:
-            self._wait_until(requests, time.monotonic() + self.timeout, statuses)
-        elif len(requests) == 1:
-            requests[0].Wait(None if statuses is None else statuses[0])
-        elif requests:
-            self._MPI.Request.Waitall(requests, statuses)
+    def waitall(self, requests: list) -> None:
+        statuses = [self._MPI.Status() for _ in requests]
+        try:
+            if self.timeout is not None:
+                self._wait_until(requests, time.monotonic() + self.timeout, statuses)
+            elif len(requests) == 1:
+                requests[0].Wait(statuses[0])
+            elif requests:
+                self._MPI.Request.Waitall(requests, statuses)
+        except self._MPI.Exception as error:  # a message longer than its buffer: say whose
+            self._name_truncation(error, requests, statuses)
+            raise
+        expected = self._expected
+        for request, status in zip(requests, statuses):
+            entry = expected.pop(id(request), None)
+            if entry is not None and status.Get_count(self._byte) != entry[1]:
+                _, nbytes, peer, tag = entry
+                raise ValueError(
+                    f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
+                    f"received {status.Get_count(self._byte)}; the ranks disagree on counts")
 
     def test(self, request: Any) -> bool:
         """Whether ``request`` completed; never blocks, and leaves it to waitall (its
-        status, which the counted endpoint checks, too)."""
+        status, whose count waitall checks)."""
         return request.Get_status()
 
-    def _wait_until(self, requests: list, deadline: float, statuses: list | None) -> None:
+    def _wait_until(self, requests: list, deadline: float, statuses: list) -> None:
         """Test until done; past ``deadline``, cancel nothing (MPI cannot take a send back)
         and raise WaitTimeout naming the peers of the requests still open."""
         polls = 0
@@ -90,65 +113,43 @@ class MPITransport:
         for r in requests:
             self._peer_of.pop(id(r), None)
 
-    def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
-        if self.timeout is not None:
-            self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
-            return
-        # One call instead of two posts and a wait: the small-message path.
-        byte = self._byte
-        self.comm.Sendrecv((send, send.nbytes, byte), dst, tag, (recv, recv.nbytes, byte), src,
-                           tag)
-
-    def free(self) -> None:
-        self.comm.Free()
-
-
-class CountedMPITransport(MPITransport):
-    """Send/Recv's endpoint: a message shorter than its receive buffer is an error, as
-    in-process (MPI itself delivers it silently into the buffer's start)."""
-
-    def __init__(self, comm):
-        super().__init__(comm)
-        self._expected: dict[int, tuple[int, int, int]] = {}  # id(request) -> bytes, peer, tag
-
-    def irecv(self, buf: np.ndarray, peer: int, tag: int):
-        request = super().irecv(buf, peer, tag)
-        self._expected[id(request)] = (buf.nbytes, peer, tag)
-        return request
-
-    def waitall(self, requests: list, statuses: list | None = None) -> None:
-        statuses = [self._MPI.Status() for _ in requests]
-        try:
-            super().waitall(requests, statuses)
-        except self._MPI.Exception as error:  # a message longer than its buffer: say whose
-            self._name_truncation(error, requests, statuses)
-            raise
-        for request, status in zip(requests, statuses):
-            expected = self._expected.pop(id(request), None)
-            if expected is None:
-                continue
-            nbytes, peer, tag = expected
-            got = status.Get_count(self._byte)
-            if got != nbytes:
-                raise ValueError(
-                    f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
-                    f"received {got}; the ranks disagree on counts")
-
     def _name_truncation(self, error: Any, requests: list, statuses: list) -> None:
         """Raise ValueError naming the receive that MPI truncated, if it did."""
         MPI = self._MPI
         in_status = error.Get_error_class() == MPI.ERR_IN_STATUS  # Waitall, Testall
         for request, status in zip(requests, statuses):
             code = status.Get_error() if in_status else error.Get_error_code()
-            expected = self._expected.pop(id(request), None)
-            if expected is not None and MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
-                nbytes, peer, tag = expected
+            entry = self._expected.pop(id(request), None)
+            if entry is not None and MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
+                _, nbytes, peer, tag = entry
                 raise ValueError(
                     f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
                     "the message is longer; the ranks disagree on counts") from None
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
-        self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
+        if self.timeout is not None:
+            self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
+            return
+        # One call instead of two posts and a wait: the small-message path.
+        byte, status = self._byte, self._status
+        try:
+            self.comm.Sendrecv((send, send.nbytes, byte), dst, tag, (recv, recv.nbytes, byte),
+                               src, tag, status)
+        except self._MPI.Exception as error:
+            if error.Get_error_class() != self._MPI.ERR_TRUNCATE:
+                raise
+            got = None
+        else:
+            got = status.Get_count(byte)
+            if got == recv.nbytes:
+                return
+        raise ValueError(
+            f"rank {self.rank} expects {recv.nbytes} bytes from rank {src} (tag {tag}) and "
+            + ("the message is longer" if got is None else f"received {got}")
+            + "; the ranks disagree on counts")
+
+    def free(self) -> None:
+        self.comm.Free()
 
 
 def node_of_each_rank(mpi_comm: Any) -> list[int]:

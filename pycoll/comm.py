@@ -21,7 +21,6 @@ from pycoll import agree
 from pycoll import verify as verification
 from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
 from pycoll.bindings.mpi import (
-    CountedMPITransport,
     MPITransport,
     launched_by_mpi,
     mpi,
@@ -49,7 +48,7 @@ class Communicator:
         self.mpi_comm = parent
         self._owns_mpi_comm = False
         _abort_job_on_uncaught_exception()
-        self._attach(MPITransport(parent.Dup()), CountedMPITransport(parent.Dup()))
+        self._attach(MPITransport(parent.Dup()), MPITransport(parent.Dup()))
         self.nodes()  # collective (a shared-memory split): here, where every rank is
 
     @classmethod

@@ -50,6 +50,33 @@ def test_every_collective_under_mpiexec(script, summary, nranks):
     assert ", 0 failed" in output
 
 
+COUNTS_DISAGREE = """
+import numpy as np, pycoll
+rank = pycoll.world().rank
+try:
+    pycoll.allreduce(np.arange(9 if rank == 1 else 8, dtype=np.int64))
+    print(f"rank {rank} returned", flush=True)
+except ValueError as error:
+    print(f"rank {rank}: {error}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("deadline", ["", "30"])  # one Sendrecv; posts and a wait
+def test_ranks_that_disagree_on_counts_over_mpi_messages_both_raise(deadline):
+    """Over MPI messages a count that differs between ranks is a ValueError on both: the
+    longer message's receiver was given MPI's "See the MPI_ERROR field", the shorter one's
+    returned data never reduced."""
+    done = launch(2, "-c", COUNTS_DISAGREE, timeout=60, PYCOLL_HOST_TRANSPORT="mpi",
+                  PYCOLL_TIMEOUT=deadline, PYCOLL_CHECK="0")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert ("rank 0: rank 0 expects 64 bytes from rank 1 (tag 1) and the message is longer; "
+            "the ranks disagree on counts") in output
+    assert ("rank 1: rank 1 expects 72 bytes from rank 0 (tag 1) and received 64; the ranks "
+            "disagree on counts") in output
+    assert "returned" not in output
+
+
 @pytest.mark.parametrize("nranks,per_node", [(2, ""), (3, ""), (5, ""), (5, "2"), (3, "1")])
 def test_peer_memory_between_processes(nranks, per_node):
     """The peer-memory transport between MPI processes, as over CUDA IPC (a stand-in device

@@ -92,8 +92,9 @@ def test_an_mpi_wait_past_its_deadline_forgets_only_its_own_requests():
 
     transport = MPITransport.__new__(MPITransport)
     transport._MPI = types.SimpleNamespace(Request=types.SimpleNamespace(
-        Testall=lambda requests, statuses=None: False))
-    transport.timeout, transport._peer_of = 0.05, {}
+        Testall=lambda requests, statuses=None: False), Status=object,
+        Exception=type("MPIException", (Exception,), {}))
+    transport.timeout, transport._peer_of, transport._expected = 0.05, {}, {}
     mine, theirs = Pending(), Pending()
     transport._peer_of[id(mine)], transport._peer_of[id(theirs)] = 1, 2
     for request, peer in ((mine, 1), (theirs, 2)):
