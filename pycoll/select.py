@@ -7,7 +7,8 @@ transport, else built-in defaults. ``PYCOLL_ALGO`` forces a family, for every co
 (``tree``) or per collective (``allreduce:tree,reduce_scatter:ring``); ``algorithm=`` in a
 call forces one for that call (the model then picks only its segment count);
 ``PYCOLL_SEGMENTS`` forces the segment count. ``PYCOLL_DEBUG=1`` logs every call's choice.
-The variables are read when a communicator first prepares a call shape; set them before.
+``PYCOLL_ALGO`` is read when a communicator first prepares a call shape; ``PYCOLL_SEGMENTS``
+and ``PYCOLL_DEBUG`` when pycoll is imported: set them before.
 """
 
 from __future__ import annotations
@@ -22,10 +23,24 @@ from pycoll.algorithms import build, families_for, node_aware
 from pycoll.schedule import ROOTED, Collective
 
 ALGO_ENV = "PYCOLL_ALGO"
+
+
+def _segments_from_env() -> int | None:
+    text = os.environ.get("PYCOLL_SEGMENTS", "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"PYCOLL_SEGMENTS={text!r} is invalid; allowed: an int >= 1, or unset")
+    return value
+
+
 # Force every schedule to this many segments (tests, `pycoll explain --segments`); None: model.
-FORCED_SEGMENTS: int | None = (
-    int(os.environ["PYCOLL_SEGMENTS"]) if os.environ.get("PYCOLL_SEGMENTS") else None
-)
+# Read at import, as PYCOLL_DEBUG: every call reads them.
+FORCED_SEGMENTS: int | None = _segments_from_env()
 DEBUG = os.environ.get("PYCOLL_DEBUG", "") not in ("", "0")
 log = logging.getLogger("pycoll")
 

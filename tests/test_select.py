@@ -103,3 +103,19 @@ def test_the_estimate_between_powers_of_two_matches_an_exact_play():
             schedule = pycoll.algorithms.build(family, Collective.ALLREDUCE, 7, 2)
             exact = model.play(model.programs(schedule, count), topology, 4).seconds
             assert fast == pytest.approx(exact, rel=1e-2)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_a_segment_count_below_one_is_refused(monkeypatch, value):
+    """PYCOLL_SEGMENTS=-1 gave the ring an empty schedule (AllReduce returned zeros), 0 a
+    ZeroDivisionError, x a bare int() error at import."""
+    monkeypatch.setenv("PYCOLL_SEGMENTS", value)
+    with pytest.raises(ValueError, match=f"PYCOLL_SEGMENTS='{value}' is invalid; allowed: an "
+                                         "int >= 1, or unset"):
+        select._segments_from_env()
+    monkeypatch.setenv("PYCOLL_SEGMENTS", " 3 ")
+    assert select._segments_from_env() == 3
+    from pycoll.algorithms import build
+
+    with pytest.raises(ValueError, match="nsegments=-1 is invalid; allowed: an int >= 1"):
+        build("ring", Collective.ALLREDUCE, 3, -1)

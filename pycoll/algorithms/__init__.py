@@ -58,6 +58,8 @@ def build(
 ) -> Schedule:
     """The schedule ``family`` emits for ``collective``; cached, since schedules are immutable.
     ``ranks_per_node`` (0: one node) matters to node-aware families only."""
+    if not isinstance(nsegments, int) or nsegments < 1:  # zero segments would move nothing
+        raise ValueError(f"nsegments={nsegments!r} is invalid; allowed: an int >= 1")
     if ranks_per_node >= nranks or not node_aware(family):
         ranks_per_node = 0  # one cache entry for what does not depend on it
     return _build(family, collective, nranks, nsegments, root, peer, ranks_per_node)
