@@ -430,6 +430,7 @@ def alltoall(
             _execute(comm, call, x, out)
             return out
     space = _space(x, "alltoall")
+    select.forced_algorithm(Collective.ALLTOALL)  # an error if it names alltoall wrongly
     rows = _rows(x, "alltoall")
     counts = _counts(None, rows, comm.size, "alltoall", "len(x)")
     _agree_on_pieces(comm, x)
@@ -460,6 +461,7 @@ def alltoallv(
                        stream=stream)
     comm = _comm(comm)
     space = _space(x, "alltoallv")
+    select.forced_algorithm(Collective.ALLTOALL)
     rows = _rows(x, "alltoallv")
     send_counts = _counts(send_counts, rows, comm.size, "alltoallv", "len(x)", "send_counts")
     if recv_counts is not None:

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", metavar="PATH", help="write rows as JSON ('-' for stdout)")
     bench.add_argument("--csv", metavar="PATH", help="write rows as CSV ('-' for stdout)")
     tune = commands.add_parser(
-        "tune", help="measure alpha, beta, gamma of each transport here; write a tuning file"
+        "tune", help="measure alpha, beta, gamma, delta of each transport here; write a tuning file"
     )
     tune.add_argument("--output", metavar="PATH",
                       help="tuning file (default: $PYCOLL_TUNING, else ~/.cache/pycoll)")

@@ -111,6 +111,10 @@ def forced_algorithm(collective: Collective) -> str | None:
             )
         if not family:
             raise ValueError(f"{ALGO_ENV}={text!r}: empty family in {part!r}")
+        if name and families_for(Collective(name)) == ["direct"] and family != "direct":
+            # the bare form forces collectives that have a choice; this one has none
+            raise ValueError(f"{ALGO_ENV}={text!r} forces {family!r} for {name}, which it "
+                             f"cannot serve; allowed for {name}: direct")
         if name == collective.value or (not name and forced is None):
             forced = family
     return forced

@@ -65,6 +65,17 @@ def test_a_forced_family_that_cannot_serve_the_call_names_the_variable(monkeypat
     monkeypatch.setenv(select.ALGO_ENV, "allgatherr:ring")
     with pytest.raises(ValueError, match="PYCOLL_ALGO='allgatherr:ring': 'allgatherr' is not"):
         plan_on(2, "allgather", 64)
+    # AllToAll has one family: the bare form leaves it be, naming it is an error (was ignored)
+    monkeypatch.setenv(select.ALGO_ENV, "tree")
+    assert pycoll.run_local(2, lambda: pycoll.alltoall(np.arange(4)).tolist()) == [[0, 1, 0, 1],
+                                                                                  [2, 3, 2, 3]]
+    for call in (lambda: pycoll.alltoall(np.arange(4)),
+                 lambda: pycoll.alltoallv(np.arange(4), [2, 2])):
+        monkeypatch.setenv(select.ALGO_ENV, "alltoall:ring")
+        with pytest.raises(ValueError, match="PYCOLL_ALGO='alltoall:ring' forces 'ring' for "
+                                             "alltoall, which it cannot serve; allowed for "
+                                             "alltoall: direct"):
+            pycoll.run_local(2, call)
 
 
 def test_calls_run_what_the_plan_says(monkeypatch, caplog):
