@@ -769,19 +769,29 @@ def _abort_job_on_uncaught_exception() -> None:
     if _abort_installed or everyone.Get_size() == 1:
         return
     _abort_installed = True
-    previous = sys.excepthook
+    previous, previous_in_thread = sys.excepthook, threading.excepthook
 
-    def abort(kind, error, traceback):
+    def abort(kind, error, traceback, report=None):
         # The one-line reason first: when the job is torn down, the launcher may drop the
         # rest of a rank's output; the pause gives it time to forward what was written.
         print(f"pycoll: rank {everyone.Get_rank()} raised {kind.__name__}: {error}; aborting "
               "the job", file=sys.stderr, flush=True)
-        previous(kind, error, traceback)
+        if report is None:
+            previous(kind, error, traceback)
+        else:
+            previous_in_thread(report)
         sys.stderr.flush()
         time.sleep(0.5)
         everyone.Abort(1)
 
+    def abort_from_thread(report: Any) -> None:
+        # a program's own thread: peers wait for its collectives as for the main thread's
+        if report.exc_type is SystemExit:
+            return previous_in_thread(report)
+        abort(report.exc_type, report.exc_value, report.exc_traceback, report)
+
     sys.excepthook = abort
+    threading.excepthook = abort_from_thread
 
 
 def run_local(nranks: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:

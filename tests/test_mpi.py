@@ -258,7 +258,7 @@ def test_a_killed_rank_ends_the_job_and_shared_memory_adds_no_leftovers(mode):
     assert len(left["auto"]) <= len(left["mpi"]), left
 
 
-@pytest.mark.parametrize("mode", ["raise", "raise-own", "bad-input"])
+@pytest.mark.parametrize("mode", ["raise", "raise-own", "raise-thread", "bad-input"])
 def test_a_failing_rank_ends_the_job_quickly(mode):
     started = time.monotonic()
     before = shm_files()
