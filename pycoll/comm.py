@@ -27,7 +27,7 @@ from pycoll.bindings.mpi import (
     node_of_each_rank,
 )
 from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
-from pycoll.bindings.transport import Transport, WaitTimeout
+from pycoll.bindings.transport import CollectiveTimeout, Transport, WaitTimeout
 from pycoll.traffic import Traffic
 
 _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
@@ -262,6 +262,22 @@ class Communicator:
                 (shared,) if forced_algorithm(collective) is None else (None,))
         return found[0]
 
+    def all_arrive(self, what: str) -> None:
+        """Under MPI with a timeout: wait, within it, until every rank has come to ``what``,
+        a blocking MPI call that has no deadline of its own (the others would wait in it
+        forever for a rank that never comes). Past the deadline: CollectiveTimeout, and this
+        communicator is broken."""
+        if self.mpi_comm is None or self._timeout is None or self.size == 1:
+            return
+        request = self.transport.comm.Ibarrier()  # pycoll's duplicate, not the caller's
+        deadline = time.monotonic() + self._timeout
+        while not request.Test():
+            if time.monotonic() > deadline:
+                self.broken = (f"{what}: rank {self.rank} waited {self._timeout:g} s for "
+                               "every rank to come, and some did not")
+                raise CollectiveTimeout(self.broken)
+            time.sleep(50e-6)
+
     def _make_host_transport(self) -> Any:
         from pycoll.bindings import shm
         from pycoll.bindings.routed import Delivered, RoutedTransport
@@ -272,6 +288,7 @@ class Communicator:
         nodes = self.nodes()
         local = [r for r in range(self.size) if nodes[r] == nodes[self.rank]]
         if self.mpi_comm is not None:
+            self.all_arrive("the first collective (connecting shared memory)")
             self._node_comm = self.mpi_comm.Split(nodes[self.rank], self.rank)
             if len(local) == 1:
                 return self.transport
@@ -474,6 +491,7 @@ class Communicator:
         color, key = None if color is None else int(color), int(key)  # numpy ints too
         if self.mpi_comm is not None:
             MPI = mpi()
+            self.all_arrive("split")
             child = self.mpi_comm.Split(MPI.UNDEFINED if color is None else color, key)
             if child == MPI.COMM_NULL:
                 return None

@@ -223,6 +223,7 @@ def topology_for(comm, space, alone: bool = False) -> model.Topology:
     if alone or comm.rank == 0 or comm.mpi_comm is None:
         tuned = model.nearest(model.load_tuning().get(kind, []), comm.size)
     if comm.mpi_comm is not None and not alone:
+        comm.all_arrive("the first call of its kind (sharing the tuning file's costs)")
         tuned = comm.transport.comm.bcast(tuned, root=0)
     # the ranks' actual nodes: which links are between nodes, and whether hierarchical
     # schedules apply

@@ -50,6 +50,44 @@ def test_every_collective_under_mpiexec(script, summary, nranks):
     assert ", 0 failed" in output
 
 
+FIRST_STEPS_LATE = """
+import numpy as np, pycoll
+
+def attempt(name, call):
+    if comm.rank == 1:  # never comes
+        return
+    try:
+        call()
+        print(f"rank {comm.rank} {name}: returned", flush=True)
+    except pycoll.CollectiveTimeout as late:
+        print(f"rank {comm.rank} {name}: {late}", flush=True)
+
+comm = pycoll.Communicator()
+attempt("first", lambda: pycoll.allreduce(np.ones(3), comm=comm))
+comm = pycoll.Communicator()
+attempt("split", lambda: comm.split(0))
+comm = pycoll.Communicator()
+pycoll.allreduce(np.ones(3), comm=comm)
+attempt("tuning", lambda: pycoll.allreduce(np.ones(1000), algorithm="ring", comm=comm))
+"""
+
+
+def test_a_rank_missing_from_a_first_step_times_out():
+    """The blocking MPI calls of a communicator's first steps (the shared-memory split, a
+    split, sharing the tuning file's costs) wait within the timeout too (they waited
+    forever for a rank that never came)."""
+    done = launch(3, "-c", FIRST_STEPS_LATE, timeout=60, PYCOLL_TIMEOUT="0.5")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in (0, 2):
+        for name, what in [("first", "the first collective (connecting shared memory)"),
+                           ("split", "split"),
+                           ("tuning", "the first call of its kind (sharing the tuning file's "
+                                      "costs)")]:
+            assert (f"rank {rank} {name}: {what}: rank {rank} waited 0.5 s for every rank to "
+                    "come, and some did not") in output
+
+
 COUNTS_DISAGREE = """
 import numpy as np, pycoll
 rank = pycoll.world().rank
