@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -739,6 +740,15 @@ def new_group(ranks: Sequence[int], comm: Communicator | None = None) -> Communi
         raise ValueError(
             f"new_group: ranks={ranks!r} is invalid; allowed: distinct ints in 0..{comm.size - 1}"
         )
+    from pycoll.api import allgather
+
+    # every rank must pass the same list (split alone would join differing lists into one)
+    mine = np.array([zlib.crc32(repr(members).encode())], np.int64)
+    table = allgather(mine, comm=comm, algorithm="direct")
+    others = [r for r in range(comm.size) if table[r] != mine[0]]
+    if others:
+        raise ValueError(f"new_group: ranks={members} here, but rank(s) {others} passed other "
+                         "ranks; every rank of the communicator must pass the same ranks")
     inside = comm.rank in members
     return comm.split(0 if inside else None, members.index(comm.rank) if inside else 0)
 

@@ -87,6 +87,27 @@ def test_new_group_rejects_bad_rank_lists(ranks):
         pycoll.run_local(2, lambda: pycoll.new_group(ranks))
 
 
+def test_new_group_with_lists_that_differ_between_ranks_fails_on_every_rank():
+    """Rank 0 asked for [0, 1], ranks 1 and 2 for [1, 2]: all three got one group of three."""
+
+    def body():
+        rank = pycoll.world().rank
+        try:
+            pycoll.new_group([0, 1] if rank == 0 else [1, 2])
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    assert pycoll.run_local(3, body) == [
+        "new_group: ranks=[0, 1] here, but rank(s) [1, 2] passed other ranks; every rank of "
+        "the communicator must pass the same ranks",
+        "new_group: ranks=[1, 2] here, but rank(s) [0] passed other ranks; every rank of the "
+        "communicator must pass the same ranks",
+        "new_group: ranks=[1, 2] here, but rank(s) [0] passed other ranks; every rank of the "
+        "communicator must pass the same ranks",
+    ]
+
+
 def test_sub_communicators_keep_the_parents_nodes(monkeypatch):
     """With simulated nodes (PYCOLL_RANKS_PER_NODE=2 over 4 ranks: {0, 1}, {2, 3}), a
     sub-communicator's ranks stay on their nodes, renumbered in order of first rank."""
