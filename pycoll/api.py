@@ -657,9 +657,13 @@ def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,
     """
     comm = _comm(comm)
     dtype = check_dtype(dtype)
-    dims = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
+    try:
+        dims = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
+    except TypeError:  # 2.5, None: not a sequence either
+        dims = (None,)
     if not all(is_int(d) and d >= 0 for d in dims):
-        raise ValueError(f"empty: shape={shape!r} is invalid; allowed: ints >= 0")
+        raise ValueError(f"empty: shape={shape!r} is invalid; allowed: an int >= 0 or a "
+                         "tuple of them")
     return comm.shared_empty(tuple(int(d) for d in dims), dtype)
 
 
@@ -738,6 +742,9 @@ def _space(x: object, collective: str, name: str = "x") -> Any:
             f"{collective}: {name} is a {type(x).__name__}; allowed: a numpy.ndarray or a "
             "cupy.ndarray"
         )
+    if isinstance(x, np.matrix | np.ma.MaskedArray):  # a shape of its own; a mask dropped
+        raise TypeError(f"{collective}: {name} is a {type(x).__module__}.{type(x).__name__}; "
+                        f"allowed: a numpy.ndarray (pass numpy.asarray({name}))")
     check_dtype(x.dtype)
     if not x.flags.c_contiguous:
         module = "numpy" if space.name == "host" else "cupy"
@@ -789,7 +796,7 @@ def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
         return split(rows, nranks)
     try:
         values = [int(c) for c in counts]
-        integral = all(int(c) == c for c in counts)
+        integral = all(is_int(c) for c in counts)  # not bools, not floats that happen to be
     except (TypeError, ValueError):
         values, integral = [], False
     if not integral or len(values) != nranks or any(c < 0 for c in values):

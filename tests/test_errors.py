@@ -249,3 +249,33 @@ def test_the_reliability_doc_tables_every_bad_call():
         quoted = row.rsplit("|", 2)[1].strip()
         raised = every_rank(4, call)[0]
         assert quoted == f"`{kind.__name__}`: {raised}", name
+
+
+@pytest.mark.parametrize("call,kind,message", [
+    (lambda: pycoll.allreduce(np.matrix([[1, 2]])), TypeError,
+     r"allreduce: x is a numpy.matrix; allowed: a numpy.ndarray \(pass numpy.asarray\(x\)\)"),
+    (lambda: pycoll.allreduce(np.ma.masked_array([1, 2], mask=[0, 1])), TypeError,
+     r"allreduce: x is a numpy.ma.MaskedArray; allowed: a numpy.ndarray"),
+    (lambda: pycoll.reduce_scatter(np.arange(2), counts=[True, True]), ValueError,
+     r"counts=\[True, True\] is invalid; allowed: 2 non-negative ints"),
+    (lambda: pycoll.reduce_scatter(np.arange(2), counts=[1.0, 1.0]), ValueError,
+     r"counts=\[1.0, 1.0\] is invalid; allowed: 2 non-negative ints"),
+    (lambda: pycoll.empty(2.5), ValueError,
+     r"empty: shape=2.5 is invalid; allowed: an int >= 0 or a tuple of them"),
+    (lambda: pycoll.empty(None), ValueError, r"empty: shape=None is invalid"),
+])
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+def test_arrays_and_arguments_that_only_look_right_are_named(call, kind, message):
+    """A matrix broadcast into a raw numpy error, a masked array lost its mask, bools and
+    floats passed as counts, and empty(2.5) raised 'float object is not iterable'."""
+    errors = pycoll.run_local(2, lambda: every_rank_raises(call))
+    for error in errors:
+        assert isinstance(error, kind) and re.search(message, str(error)), repr(error)
+
+
+def every_rank_raises(call):
+    try:
+        call()
+    except Exception as error:  # the test inspects it
+        return error
+    return None
