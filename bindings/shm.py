@@ -102,11 +102,12 @@ class ThreadSegments:
     then waits for the others'. ``ranks``: the node's ranks (what ``check`` is told)."""
 
     def __init__(self, shared: dict, key: Any, index: int, ranks: list[int], nbytes: int,
-                 check: Callable[[list[int]], None] | None = None):
+                 check: Callable[[list[int]], None] | None = None,
+                 timeout: float | None = None):
         count = len(ranks)
         self.segments = shared.setdefault((key, "segments"), [None] * count)
         self._state = shared.setdefault((key, "barrier"), _ThreadBarrier(count))
-        self._check, self._ranks = check, ranks
+        self._check, self._ranks, self._timeout = check, ranks, timeout
         self.index = index
         self.segments[index] = np.zeros(nbytes, np.uint8)
         self.barrier()
@@ -115,8 +116,17 @@ class ThreadSegments:
         pass  # threads of one process: the GIL orders Python-level stores and loads
 
     def barrier(self) -> None:
-        self._state.wait(self.index, lambda missing: self._check and self._check(
-            [self._ranks[i] for i in missing]))
+        """Wait for every rank of the node; past the timeout, WaitTimeout naming the others."""
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+
+        def check(missing: list[int]) -> None:
+            ranks = [self._ranks[i] for i in missing]
+            if self._check:
+                self._check(ranks)
+            if deadline is not None and time.monotonic() > deadline:
+                raise WaitTimeout(ranks, self._timeout)
+
+        self._state.wait(self.index, check, 0.5 if deadline is None else min(0.5, self._timeout))
 
     def free(self) -> None:
         self.segments[self.index] = None  # the shared list outlives this rank's hold on it
@@ -133,7 +143,7 @@ class _ThreadBarrier:
         self._arrived: set[int] = set()
         self._generation = 0
 
-    def wait(self, index: int, check: Callable[[list[int]], Any]) -> None:
+    def wait(self, index: int, check: Callable[[list[int]], Any], every: float = 0.5) -> None:
         with self._condition:
             generation = self._generation
             self._arrived.add(index)
@@ -143,7 +153,7 @@ class _ThreadBarrier:
                 self._condition.notify_all()
                 return
             while self._generation == generation:
-                if not self._condition.wait(timeout=0.5):
+                if not self._condition.wait(timeout=every):
                     missing = [i for i in range(self._count) if i not in self._arrived]
                     self._condition.release()
                     try:

@@ -219,7 +219,13 @@ class Communicator:
         ``mpi``: messages only). Every rank makes it in the same call, its first collective.
         """
         if self._host is None:
-            self._host = self._make_host_transport()
+            try:
+                self._host = self._make_host_transport()
+            except WaitTimeout as late:  # in-process: a rank of the node did not come
+                self.broken = (f"the first collective (connecting shared memory): rank "
+                               f"{self.rank} waited {late.seconds:g} s for rank(s) "
+                               f"{', '.join(map(str, late.peers))}")
+                raise CollectiveTimeout(self.broken) from None
             self._apply_timeout()
         return self._host
 
@@ -306,7 +312,7 @@ class Communicator:
 
             segments = shm.ThreadSegments(
                 world.shared, (host.channel, "shm", nodes[self.rank]), local.index(self.rank),
-                local, shm.segment_bytes(len(local), ring, small), check,
+                local, shm.segment_bytes(len(local), ring, small), check, self._timeout,
             )
         self._shared = shm.SharedMemoryTransport(
             segments, self.rank, self.size, local, ring, small, check=check

@@ -54,6 +54,30 @@ def test_a_rank_that_never_comes_is_named(monkeypatch, transport, size, check):
         assert "(ring)" in results[2][0] and "at step 1 of 4" in results[2][0]
 
 
+def test_a_rank_that_never_comes_to_the_first_collective_is_named(monkeypatch):
+    """Connecting shared memory (the first collective) waits within the timeout too (it
+    waited until the late rank returned, then reported a Deadlock)."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "0.3")
+    gate = threading.Barrier(3)
+
+    def body(rank):
+        if rank == 1:
+            gate.wait()  # never comes, and does not return either
+            return None
+        try:
+            pycoll.allreduce(np.ones(3))
+        except pycoll.CollectiveTimeout as error:
+            message = str(error)
+        gate.wait()
+        return message
+
+    results = pycoll.run_local(3, lambda: body(pycoll.world().rank))
+    for rank in (0, 2):
+        assert results[rank] == (f"the first collective (connecting shared memory): rank {rank} "
+                                 "waited 0.3 s for rank(s) 1")
+
+
 def test_without_a_timeout_nothing_changes(monkeypatch):
     monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
     assert pycoll.run_local(2, lambda: pycoll.world().timeout) == [None, None]
