@@ -54,6 +54,7 @@ MIN_PIECE = 4096  # less contiguous room than this before the ring's end: wrap i
 SPINS = 200  # polls before a waiting rank starts yielding its core
 RING_BYTES = 8 << 20  # per peer: the stream to that peer
 SMALL_BYTES = 2 << 20  # one-shot AllReduce slot; larger calls take the schedules
+_COUNT_AND_DTYPE = (1 << 48) - 1  # the one-shot signature's low bits: count << 16 | dtype
 SMALL_VIEWS_KEPT = 1024  # (dtype, count) shapes of one-shot calls whose slot views are kept
 _FROM_PROCESS = -2  # a send's ``window`` when the receiver reads the sender's own memory
 
@@ -522,11 +523,12 @@ class SharedMemoryTransport:
         of a new array, in rank order, in one round."""
         return np.stack(self.publish_small(x, "allgather"))
 
-    def publish_small(self, x: np.ndarray, collective: str) -> tuple:
+    def publish_small(self, x: np.ndarray, collective: str, call: int = 0) -> tuple:
         """Copy ``x`` into this rank's slot, publish a sequence number, wait for every peer's;
         returns every rank's slot (flat views), which may be read until this rank's next call.
         Two slots alternate: a rank writes slot s at call k only after seeing every peer reach
-        call k-1, i.e. after they finished reading slot s at call k-2."""
+        call k-1, i.e. after they finished reading slot s at call k-2. ``call``: a number for
+        the rest of what every rank must pass alike (op, root, counts), compared too."""
         seq = self._small_seq + 1
         key = (x.dtype, x.size)
         entry = self._small_views.get(key)
@@ -537,6 +539,7 @@ class SharedMemoryTransport:
             entry = (self._slot_views(x.dtype, x.size), x.size << 16 | _dtype_number(x.dtype))
             self._small_views[key] = entry
         views, signature = entry
+        signature |= (call & 0x7FFF) << 48  # count and dtype fill the bits below
         slots = views[seq & 1]
         self._deadline = float("inf") if self.timeout is None else time.monotonic() + self.timeout
         slots[self._me][...] = x
@@ -555,9 +558,14 @@ class SharedMemoryTransport:
         for i, control in self._peer_controls:
             if control[agreed] != signature:
                 theirs = int(control[agreed])
+                if (theirs ^ signature) & _COUNT_AND_DTYPE == 0:
+                    raise ValueError(
+                        f"{collective}: rank {self.rank} and rank {self.local[i]} passed a "
+                        "different op, root or counts; every rank must pass the same "
+                        "(PYCOLL_CHECK=1 names which)")
                 raise ValueError(
                     f"{collective}: rank {self.rank} passed {x.size} elements of {x.dtype} but "
-                    f"rank {self.local[i]} passed {theirs >> 16} of "
+                    f"rank {self.local[i]} passed {(theirs & _COUNT_AND_DTYPE) >> 16} of "
                     f"{_dtype_name(theirs & 0xFFFF)}; every rank must pass the same count and "
                     "dtype"
                 )

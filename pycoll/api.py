@@ -105,6 +105,7 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
     return out
 
 
+_OP_CODES = {op: code for code, op in enumerate(ReduceOp, start=1)}
 SMALL_EXCHANGE_BYTES = 64 << 10  # per rank: ReduceScatter, AllGather, Broadcast and Reduce
 
 
@@ -140,8 +141,13 @@ def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndar
     if comm.check:
         _agree(comm, collective, x, op, "auto", blocks, root)
     comm.traffic.to_every_peer(x.nbytes)
+    # op, root and counts as one number that every rank computes alike (hashes of ints and
+    # tuples of ints are not salted per process)
+    call = _OP_CODES.get(op, 0) | (0 if root is None else root + 1) << 3
+    if blocks is not None:
+        call ^= hash(blocks) << 3
     try:
-        return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), collective.value)
+        return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), collective.value, call)
     except WaitTimeout as late:
         raise _timed_out(comm, f"{collective.value} (one-shot)", late) from None
 

@@ -6,6 +6,8 @@ is run by tests/test_mpi.py."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import ALL_DTYPES, exact_input, ops_for
@@ -298,6 +300,31 @@ def test_one_shot_ranks_that_disagree_fail_on_every_rank(monkeypatch):
         "allreduce: rank 1 passed 3 elements of int64 but rank 0 passed 3 of float32; every "
         "rank must pass the same count and dtype",
     ]
+
+
+@pytest.mark.parametrize("name,call", [
+    ("allreduce", lambda r, x: pycoll.allreduce(x, "max" if r == 1 else "sum")),
+    ("broadcast", lambda r, x: pycoll.broadcast(x, root=r % 2)),
+    ("reduce", lambda r, x: pycoll.reduce(x, root=1 if r == 2 else 0)),
+    ("reduce_scatter", lambda r, x: pycoll.reduce_scatter(x, counts=[1, 1, 4] if r == 1
+                                                          else [2, 2, 2])),
+])
+def test_one_shot_ranks_that_disagree_on_op_root_or_counts_fail(monkeypatch, name, call):
+    """Each rank took its own op, root or counts and returned without a word."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_CHECK", "0")
+
+    def body(rank):
+        try:
+            call(rank, np.arange(6, dtype=np.int64))
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    for said in run(3, body):
+        assert re.fullmatch(rf"{name}: rank \d and rank \d passed a different op, root or "
+                            r"counts; every rank must pass the same \(PYCOLL_CHECK=1 names "
+                            r"which\)", said), said
 
 
 def test_a_rank_that_skips_a_collective_is_reported(monkeypatch):
