@@ -82,14 +82,20 @@ class MPITransport:
         except self._MPI.Exception as error:  # a message longer than its buffer: say whose
             self._name_truncation(error, requests, statuses)
             raise
-        expected = self._expected
+        except WaitTimeout:
+            for request in requests:
+                self._expected.pop(id(request), None)
+            raise
+        expected, short = self._expected, None
         for request, status in zip(requests, statuses):
-            entry = expected.pop(id(request), None)
-            if entry is not None and status.Get_count(self._byte) != entry[1]:
-                _, nbytes, peer, tag = entry
-                raise ValueError(
-                    f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
-                    f"received {status.Get_count(self._byte)}; the ranks disagree on counts")
+            entry = expected.pop(id(request), None)  # every one: the communicator lives on
+            if entry is not None and short is None and status.Get_count(self._byte) != entry[1]:
+                short = (*entry[1:], status.Get_count(self._byte))
+        if short is not None:
+            nbytes, peer, tag, got = short
+            raise ValueError(
+                f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
+                f"received {got}; the ranks disagree on counts")
 
     def test(self, request: Any) -> bool:
         """Whether ``request`` completed; never blocks, and leaves it to waitall (its
@@ -117,14 +123,18 @@ class MPITransport:
         """Raise ValueError naming the receive that MPI truncated, if it did."""
         MPI = self._MPI
         in_status = error.Get_error_class() == MPI.ERR_IN_STATUS  # Waitall, Testall
+        truncated = None
         for request, status in zip(requests, statuses):
             code = status.Get_error() if in_status else error.Get_error_code()
-            entry = self._expected.pop(id(request), None)
-            if entry is not None and MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
-                _, nbytes, peer, tag = entry
-                raise ValueError(
-                    f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
-                    "the message is longer; the ranks disagree on counts") from None
+            entry = self._expected.pop(id(request), None)  # every one, as waitall does
+            if entry is not None and truncated is None and (
+                    MPI.Get_error_class(code) == MPI.ERR_TRUNCATE):
+                truncated = entry
+        if truncated is not None:
+            _, nbytes, peer, tag = truncated
+            raise ValueError(
+                f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
+                "the message is longer; the ranks disagree on counts") from None
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         if self.timeout is not None:

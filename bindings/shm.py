@@ -54,7 +54,6 @@ MIN_PIECE = 4096  # less contiguous room than this before the ring's end: wrap i
 SPINS = 200  # polls before a waiting rank starts yielding its core
 RING_BYTES = 8 << 20  # per peer: the stream to that peer
 SMALL_BYTES = 2 << 20  # one-shot AllReduce slot; larger calls take the schedules
-_COUNT_AND_DTYPE = (1 << 48) - 1  # the one-shot signature's low bits: count << 16 | dtype
 SMALL_VIEWS_KEPT = 1024  # (dtype, count) shapes of one-shot calls whose slot views are kept
 _FROM_PROCESS = -2  # a send's ``window`` when the receiver reads the sender's own memory
 
@@ -539,13 +538,13 @@ class SharedMemoryTransport:
             entry = (self._slot_views(x.dtype, x.size), x.size << 16 | _dtype_number(x.dtype))
             self._small_views[key] = entry
         views, signature = entry
-        signature |= (call & 0x7FFF) << 48  # count and dtype fill the bits below
         slots = views[seq & 1]
         self._deadline = float("inf") if self.timeout is None else time.monotonic() + self.timeout
         slots[self._me][...] = x
         flag = self._layout.small_flag
         agreed = flag + 1 + (seq & 1)  # per slot: a peer one call ahead writes the other
         self._my_control[agreed] = signature
+        self._my_control[agreed + 2] = call
         self._fence()
         self._my_control[flag] = seq
         for i, control in self._peer_controls:
@@ -556,16 +555,16 @@ class SharedMemoryTransport:
         self._fence()
         self._small_seq = seq  # published, so spent even when the ranks disagree below
         for i, control in self._peer_controls:
+            if control[agreed + 2] != call and control[agreed] == signature:
+                raise ValueError(
+                    f"{collective}: rank {self.rank} and rank {self.local[i]} passed a "
+                    "different op, root or counts; every rank must pass the same "
+                    "(PYCOLL_CHECK=1 names which)")
             if control[agreed] != signature:
                 theirs = int(control[agreed])
-                if (theirs ^ signature) & _COUNT_AND_DTYPE == 0:
-                    raise ValueError(
-                        f"{collective}: rank {self.rank} and rank {self.local[i]} passed a "
-                        "different op, root or counts; every rank must pass the same "
-                        "(PYCOLL_CHECK=1 names which)")
                 raise ValueError(
                     f"{collective}: rank {self.rank} passed {x.size} elements of {x.dtype} but "
-                    f"rank {self.local[i]} passed {(theirs & _COUNT_AND_DTYPE) >> 16} of "
+                    f"rank {self.local[i]} passed {theirs >> 16} of "
                     f"{_dtype_name(theirs & 0xFFFF)}; every rank must pass the same count and "
                     "dtype"
                 )

@@ -141,11 +141,11 @@ def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndar
     if comm.check:
         _agree(comm, collective, x, op, "auto", blocks, root)
     comm.traffic.to_every_peer(x.nbytes)
-    # op, root and counts as one number that every rank computes alike (hashes of ints and
+    # op, root and counts as one int64 that every rank computes alike (hashes of ints and
     # tuples of ints are not salted per process)
     call = _OP_CODES.get(op, 0) | (0 if root is None else root + 1) << 3
     if blocks is not None:
-        call ^= hash(blocks) << 3
+        call = hash((call, blocks)) >> 1  # fits an int64 word
     try:
         return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), collective.value, call)
     except WaitTimeout as late:

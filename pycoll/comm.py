@@ -272,18 +272,24 @@ class Communicator:
     def all_arrive(self, what: str) -> None:
         """Under MPI with a timeout: wait, within it, until every rank has come to ``what``,
         a blocking MPI call that has no deadline of its own (the others would wait in it
-        forever for a rank that never comes). Past the deadline: CollectiveTimeout, and this
-        communicator is broken."""
+        forever for a rank that never comes). Two rounds of empty messages with every peer:
+        "here", then "going in"; a rank enters only with every peer's "going in", so a rank
+        that comes after the others gave up times out too instead of entering alone. Past the
+        deadline: CollectiveTimeout naming the ranks waited for; this communicator is broken."""
         if self.mpi_comm is None or self._timeout is None or self.size == 1:
             return
-        request = self.transport.comm.Ibarrier()  # pycoll's duplicate, not the caller's
-        deadline = time.monotonic() + self._timeout
-        while not request.Test():
-            if time.monotonic() > deadline:
-                self.broken = (f"{what}: rank {self.rank} waited {self._timeout:g} s for "
-                               "every rank to come, and some did not")
-                raise CollectiveTimeout(self.broken)
-            time.sleep(50e-6)
+        transport, tag = self.transport, self.next_tag()
+        peers = [r for r in range(self.size) if r != self.rank]
+        nothing = np.empty(0, np.uint8)
+        for _ in ("here", "going in"):
+            requests = [transport.irecv(nothing, peer, tag) for peer in peers]
+            requests += [transport.isend(nothing, peer, tag) for peer in peers]
+            try:
+                transport.waitall(requests)
+            except WaitTimeout as late:
+                self.broken = (f"{what}: rank {self.rank} waited {late.seconds:g} s for "
+                               f"rank(s) {', '.join(map(str, late.peers))}")
+                raise CollectiveTimeout(self.broken) from None
 
     def _make_host_transport(self) -> Any:
         from pycoll.bindings import shm

@@ -165,7 +165,9 @@ class CudaSpace:
         """Whether ``stream`` is CUDA's per-thread default stream (CuPy's ``Stream.ptds``,
         current under ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``): its handle names, in each
         thread, that thread's own stream, so no other thread can enqueue on the caller's."""
-        return stream is not None and stream.ptr == self._cupy.cuda.runtime.streamPerThread
+        cuda = self._cupy.cuda
+        return (isinstance(stream, cuda.Stream | cuda.ExternalStream)  # else using() names it
+                and stream.ptr == cuda.runtime.streamPerThread)
 
     def new_stream(self) -> Any:
         return self._cupy.cuda.Stream()

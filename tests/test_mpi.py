@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,8 +85,7 @@ def test_a_rank_missing_from_a_first_step_times_out():
                            ("split", "split"),
                            ("tuning", "the first call of its kind (sharing the tuning file's "
                                       "costs)")]:
-            assert (f"rank {rank} {name}: {what}: rank {rank} waited 0.5 s for every rank to "
-                    "come, and some did not") in output
+            assert f"rank {rank} {name}: {what}: rank {rank} waited 0.5 s for rank(s) 1" in output
 
 
 COUNTS_DISAGREE = """
@@ -108,10 +108,11 @@ def test_ranks_that_disagree_on_counts_over_mpi_messages_both_raise(deadline):
                   PYCOLL_TIMEOUT=deadline, PYCOLL_CHECK="0")
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert ("rank 0: rank 0 expects 64 bytes from rank 1 (tag 1) and the message is longer; "
-            "the ranks disagree on counts") in output
-    assert ("rank 1: rank 1 expects 72 bytes from rank 0 (tag 1) and received 64; the ranks "
-            "disagree on counts") in output
+    # (the tag: 2 under a timeout, whose first steps take one)
+    assert re.search(r"rank 0: rank 0 expects 64 bytes from rank 1 \(tag \d\) and the message "
+                     r"is longer; the ranks disagree on counts", output), output
+    assert re.search(r"rank 1: rank 1 expects 72 bytes from rank 0 \(tag \d\) and received 64; "
+                     r"the ranks disagree on counts", output), output
     assert "returned" not in output
 
 
