@@ -599,6 +599,7 @@ def _post(comm: Communicator, sending: bool, flat: np.ndarray, peer: int, tag: i
             request = transport.irecv(flat, peer, tag)
     except Exception as error:  # in-process, a mismatch found as it matches: for wait()
         return Posted(transport, None, what, result, error)
+    comm.keep_until_done(request)
     return Posted(transport, request, what, result,
                   timed_out=lambda late: _timed_out(comm, what, late))
 

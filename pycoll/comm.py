@@ -71,6 +71,7 @@ class Communicator:
         self.freed = False
         self.queue: Any = None  # async collectives' worker (pycoll/work.py), made on first use
         self.lanes: dict[tuple[str, int], Any] = {}  # async device Send/Recv's (see submit)
+        self._posted: list[Any] = []  # posted host Send/Recv requests (see keep_until_done)
         self.broken: str | None = None  # why later calls must fail at once (a timeout)
         self._timeout = _timeout_from_env()
         self._apply_timeout()
@@ -222,10 +223,8 @@ class Communicator:
             try:
                 self._host = self._make_host_transport()
             except WaitTimeout as late:  # in-process: a rank of the node did not come
-                self.broken = (f"the first collective (connecting shared memory): rank "
-                               f"{self.rank} waited {late.seconds:g} s for rank(s) "
-                               f"{', '.join(map(str, late.peers))}")
-                raise CollectiveTimeout(self.broken) from None
+                raise self._timed_out("the first collective (connecting shared memory)",
+                                      late) from None
             self._apply_timeout()
         return self._host
 
@@ -269,6 +268,14 @@ class Communicator:
                 (shared,) if forced_algorithm(collective) is None else (None,))
         return found[0]
 
+    def keep_until_done(self, request: Any) -> None:
+        """Hold a posted Send's or Recv's request, and with it its buffer, until it completes:
+        a caller may drop the Work without waiting (as with torch.distributed's isend), and
+        MPI would go on reading or writing memory numpy freed."""
+        if len(self._posted) >= 64:  # now and then: those done need holding no more
+            self._posted = [r for r in self._posted if not self.p2p.test(r)]
+        self._posted.append(request)
+
     def all_arrive(self, what: str) -> None:
         """Under MPI with a timeout: wait, within it, until every rank has come to ``what``,
         a blocking MPI call that has no deadline of its own (the others would wait in it
@@ -287,9 +294,13 @@ class Communicator:
             try:
                 transport.waitall(requests)
             except WaitTimeout as late:
-                self.broken = (f"{what}: rank {self.rank} waited {late.seconds:g} s for "
-                               f"rank(s) {', '.join(map(str, late.peers))}")
-                raise CollectiveTimeout(self.broken) from None
+                raise self._timed_out(what, late) from None
+
+    def _timed_out(self, what: str, late: WaitTimeout) -> CollectiveTimeout:
+        """The error for a wait of ``what`` past its deadline; this communicator is broken."""
+        self.broken = (f"{what}: rank {self.rank} waited {late.seconds:g} s for rank(s) "
+                       f"{', '.join(map(str, late.peers))}")
+        return CollectiveTimeout(self.broken)
 
     def _make_host_transport(self) -> Any:
         from pycoll.bindings import shm
@@ -341,13 +352,18 @@ class Communicator:
             return np.empty(shape, dtype)
         nbytes = max(1, count * dtype.itemsize)
         if self.mpi_comm is not None:
+            self.all_arrive("empty")
             segments = shm.MpiSegments(self._node_comm, nbytes)
         else:
             host = self.transport
             key = (host.channel, "window", len(self._shared._windows), self._shared.local[0])
-            segments = shm.ThreadSegments(host.world.shared, key,
-                                          self._shared.local.index(self.rank),
-                                          self._shared.local, nbytes, self._shared._check)
+            try:
+                segments = shm.ThreadSegments(host.world.shared, key,
+                                              self._shared.local.index(self.rank),
+                                              self._shared.local, nbytes, self._shared._check,
+                                              self._timeout)
+            except WaitTimeout as late:
+                raise self._timed_out("empty", late) from None
         mine = self._shared.add_window(segments)
         return mine[: count * dtype.itemsize].view(dtype).reshape(shape)
 

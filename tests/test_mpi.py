@@ -70,13 +70,16 @@ attempt("split", lambda: comm.split(0))
 comm = pycoll.Communicator()
 pycoll.allreduce(np.ones(3), comm=comm)
 attempt("tuning", lambda: pycoll.allreduce(np.ones(1000), algorithm="ring", comm=comm))
+comm = pycoll.Communicator()
+pycoll.allreduce(np.ones(3), comm=comm)
+attempt("empty", lambda: pycoll.empty(4, comm=comm))
 """
 
 
 def test_a_rank_missing_from_a_first_step_times_out():
     """The blocking MPI calls of a communicator's first steps (the shared-memory split, a
-    split, sharing the tuning file's costs) wait within the timeout too (they waited
-    forever for a rank that never came)."""
+    split, sharing the tuning file's costs) and of pycoll.empty wait within the timeout too
+    (they waited forever for a rank that never came)."""
     done = launch(3, "-c", FIRST_STEPS_LATE, timeout=60, PYCOLL_TIMEOUT="0.5")
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
@@ -84,7 +87,8 @@ def test_a_rank_missing_from_a_first_step_times_out():
         for name, what in [("first", "the first collective (connecting shared memory)"),
                            ("split", "split"),
                            ("tuning", "the first call of its kind (sharing the tuning file's "
-                                      "costs)")]:
+                                      "costs)"),
+                           ("empty", "empty")]:
             assert f"rank {rank} {name}: {what}: rank {rank} waited 0.5 s for rank(s) 1" in output
 
 
@@ -239,7 +243,7 @@ def test_async_collectives_overlap_between_processes(transport):
     done = launch(3, str(HERE / "asynchronous.py"), PYCOLL_HOST_TRANSPORT=transport)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "async on 3 ranks: 15 of 15 right" in output
+    assert "async on 3 ranks: 18 of 18 right" in output
 
 
 def test_a_short_soak_is_right_and_flat():

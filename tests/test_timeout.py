@@ -78,6 +78,29 @@ def test_a_rank_that_never_comes_to_the_first_collective_is_named(monkeypatch):
                                  "waited 0.3 s for rank(s) 1")
 
 
+def test_a_rank_that_never_comes_to_empty_is_named(monkeypatch):
+    """pycoll.empty (collective) waits within the timeout too (it ignored it)."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "0.3")
+    gate = threading.Barrier(3)
+
+    def body(rank):
+        pycoll.allreduce(np.ones(3))
+        if rank == 1:
+            gate.wait()
+            return None
+        try:
+            pycoll.empty(4)
+        except pycoll.CollectiveTimeout as error:
+            message = str(error)
+        gate.wait()
+        return message
+
+    results = pycoll.run_local(3, lambda: body(pycoll.world().rank))
+    for rank in (0, 2):
+        assert results[rank] == f"empty: rank {rank} waited 0.3 s for rank(s) 1"
+
+
 def test_without_a_timeout_nothing_changes(monkeypatch):
     monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
     assert pycoll.run_local(2, lambda: pycoll.world().timeout) == [None, None]

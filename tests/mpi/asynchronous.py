@@ -4,6 +4,8 @@ behind one of another tag)."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 
 import pycoll
@@ -42,6 +44,17 @@ sending.wait()
 second.wait()
 first.wait()
 ok += int(first_tag[-1] == 1.0 + left and second_tag[-1] == 2.0 + left)
+# A send whose Work is dropped unwaited, its array with it (torch.distributed's isend keeps
+# the tensor): the message still carries what was sent, not memory numpy handed on.
+for tag in (3, 4):
+    pycoll.send(np.full(12_000, tag + RANK, np.float64), right, tag=tag, async_op=True)
+gc.collect()
+reuse = [np.full(12_000, -1.0) for _ in range(8)]
+pycoll.barrier()
+arrived = [np.empty(12_000) for _ in (3, 4)]
+for tag, into in zip((3, 4), arrived):
+    pycoll.recv(into, left, tag=tag)
+ok += int(all((into == tag + left).all() for tag, into in zip((3, 4), arrived)))
 total = int(pycoll.allreduce(np.array([ok]))[0])
 if RANK == 0:
-    print(f"async on {P} ranks: {total} of {5 * P} right", flush=True)
+    print(f"async on {P} ranks: {total} of {6 * P} right", flush=True)
