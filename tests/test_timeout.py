@@ -54,19 +54,27 @@ def test_a_rank_that_never_comes_is_named(monkeypatch, transport, size, check):
         assert "(ring)" in results[2][0] and "at step 1 of 4" in results[2][0]
 
 
-def test_a_rank_that_never_comes_to_the_first_collective_is_named(monkeypatch):
-    """Connecting shared memory (the first collective) waits within the timeout too (it
-    waited until the late rank returned, then reported a Deadlock)."""
+@pytest.mark.parametrize("what,warm_up,call", [
+    ("the first collective (connecting shared memory)", False,
+     lambda: pycoll.allreduce(np.ones(3))),
+    ("empty", True, lambda: pycoll.empty(4)),
+])
+def test_a_rank_that_never_comes_to_a_first_step_is_named(monkeypatch, what, warm_up, call):
+    """Connecting shared memory (the first collective) and pycoll.empty's window wait within
+    the timeout too (the first waited until the late rank returned, then reported a
+    Deadlock; empty ignored the timeout)."""
     monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
     monkeypatch.setenv("PYCOLL_TIMEOUT", "0.3")
     gate = threading.Barrier(3)
 
     def body(rank):
+        if warm_up:
+            pycoll.allreduce(np.ones(3))
         if rank == 1:
             gate.wait()  # never comes, and does not return either
             return None
         try:
-            pycoll.allreduce(np.ones(3))
+            call()
         except pycoll.CollectiveTimeout as error:
             message = str(error)
         gate.wait()
@@ -74,31 +82,7 @@ def test_a_rank_that_never_comes_to_the_first_collective_is_named(monkeypatch):
 
     results = pycoll.run_local(3, lambda: body(pycoll.world().rank))
     for rank in (0, 2):
-        assert results[rank] == (f"the first collective (connecting shared memory): rank {rank} "
-                                 "waited 0.3 s for rank(s) 1")
-
-
-def test_a_rank_that_never_comes_to_empty_is_named(monkeypatch):
-    """pycoll.empty (collective) waits within the timeout too (it ignored it)."""
-    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
-    monkeypatch.setenv("PYCOLL_TIMEOUT", "0.3")
-    gate = threading.Barrier(3)
-
-    def body(rank):
-        pycoll.allreduce(np.ones(3))
-        if rank == 1:
-            gate.wait()
-            return None
-        try:
-            pycoll.empty(4)
-        except pycoll.CollectiveTimeout as error:
-            message = str(error)
-        gate.wait()
-        return message
-
-    results = pycoll.run_local(3, lambda: body(pycoll.world().rank))
-    for rank in (0, 2):
-        assert results[rank] == f"empty: rank {rank} waited 0.3 s for rank(s) 1"
+        assert results[rank] == f"{what}: rank {rank} waited 0.3 s for rank(s) 1"
 
 
 def test_without_a_timeout_nothing_changes(monkeypatch):
