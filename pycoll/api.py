@@ -149,14 +149,7 @@ def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndar
     try:
         return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), collective.value, call)
     except WaitTimeout as late:
-        raise _timed_out(comm, f"{collective.value} (one-shot)", late) from None
-
-
-def _timed_out(comm: Communicator, what: str, late: WaitTimeout) -> CollectiveTimeout:
-    """The error for a wait past its deadline outside a schedule; ``comm`` is broken by it."""
-    return _broken(comm, CollectiveTimeout(
-        f"{what}: rank {comm.rank} waited {late.seconds:g} s for rank(s) "
-        f"{', '.join(map(str, late.peers))}"))
+        raise comm.timed_out(f"{collective.value} (one-shot)", late) from None
 
 
 def _sum_in_rank_order(out: np.ndarray, parts: tuple, reduce: Any) -> None:
@@ -601,7 +594,7 @@ def _post(comm: Communicator, sending: bool, flat: np.ndarray, peer: int, tag: i
         return Posted(transport, None, what, result, error)
     comm.keep_until_done(request)
     return Posted(transport, request, what, result,
-                  timed_out=lambda late: _timed_out(comm, what, late))
+                  timed_out=lambda late: comm.timed_out(what, late))
 
 
 def _number(value: Any) -> int:
@@ -953,7 +946,7 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
         try:
             transport = comm.device_transport(space, (call.root, call.peer) if p2p else None)
         except WaitTimeout as late:
-            raise _timed_out(comm, f"{call.what} (connecting)", late) from None
+            raise comm.timed_out(f"{call.what} (connecting)", late) from None
     else:
         transport = comm.p2p if p2p else comm.host_transport()
     program = call.program
@@ -992,7 +985,7 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
             counts, root, comm.agreements, space_of(x).name, comm.verify,
         ))
     except WaitTimeout as late:  # the shared-memory exchange
-        raise _timed_out(comm, what, late) from None
+        raise comm.timed_out(what, late) from None
     except CollectiveTimeout as late:  # the exchange as a collective of its own
         raise _broken(comm, CollectiveTimeout(f"{what}: {late}")) from None
 

@@ -72,6 +72,7 @@ class Communicator:
         self.queue: Any = None  # async collectives' worker (pycoll/work.py), made on first use
         self.lanes: dict[tuple[str, int], Any] = {}  # async device Send/Recv's (see submit)
         self._posted: list[Any] = []  # posted host Send/Recv requests (see keep_until_done)
+        self._prune_at = 64
         self.broken: str | None = None  # why later calls must fail at once (a timeout)
         self._timeout = _timeout_from_env()
         self._apply_timeout()
@@ -223,7 +224,7 @@ class Communicator:
             try:
                 self._host = self._make_host_transport()
             except WaitTimeout as late:  # in-process: a rank of the node did not come
-                raise self._timed_out("the first collective (connecting shared memory)",
+                raise self.timed_out("the first collective (connecting shared memory)",
                                       late) from None
             self._apply_timeout()
         return self._host
@@ -272,8 +273,9 @@ class Communicator:
         """Hold a posted Send's or Recv's request, and with it its buffer, until it completes:
         a caller may drop the Work without waiting (as with torch.distributed's isend), and
         MPI would go on reading or writing memory numpy freed."""
-        if len(self._posted) >= 64:  # now and then: those done need holding no more
+        if len(self._posted) >= self._prune_at:  # now and then: those done need no holding
             self._posted = [r for r in self._posted if not self.p2p.test(r)]
+            self._prune_at = max(64, 2 * len(self._posted))  # many pending: not every post
         self._posted.append(request)
 
     def all_arrive(self, what: str) -> None:
@@ -294,9 +296,9 @@ class Communicator:
             try:
                 transport.waitall(requests)
             except WaitTimeout as late:
-                raise self._timed_out(what, late) from None
+                raise self.timed_out(what, late) from None
 
-    def _timed_out(self, what: str, late: WaitTimeout) -> CollectiveTimeout:
+    def timed_out(self, what: str, late: WaitTimeout) -> CollectiveTimeout:
         """The error for a wait of ``what`` past its deadline; this communicator is broken."""
         self.broken = (f"{what}: rank {self.rank} waited {late.seconds:g} s for rank(s) "
                        f"{', '.join(map(str, late.peers))}")
@@ -363,7 +365,7 @@ class Communicator:
                                               self._shared.local, nbytes, self._shared._check,
                                               self._timeout)
             except WaitTimeout as late:
-                raise self._timed_out("empty", late) from None
+                raise self.timed_out("empty", late) from None
         mine = self._shared.add_window(segments)
         return mine[: count * dtype.itemsize].view(dtype).reshape(shape)
 
