@@ -180,7 +180,6 @@ def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = 
               ) -> list[np.ndarray]:
     """Every rank's ``mine`` (flat; ``sizes``: each rank's element count, when they differ),
     in rank order: raw bytes posted straight on the host transport, with a tag of their own."""
-    from pycoll.api import _timed_out
     from pycoll.bindings.transport import WaitTimeout
 
     if sizes is None:
@@ -195,7 +194,7 @@ def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = 
         requests += [transport.isend(raw, r, tag) for r in others if raw.size]
         transport.waitall(requests)
     except WaitTimeout as late:
-        raise _timed_out(comm, f"{name} (verification)", late) from None
+        raise comm.timed_out(f"{name} (verification)", late) from None
     return [g.view(mine.dtype) for g in got]
 
 
