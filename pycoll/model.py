@@ -26,6 +26,7 @@ One step of a rank costs (the LogGP-style model of Thakur, Rabenseifner & Gropp 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from pycoll import algorithms
 from pycoll.execute import Program, compile_program
-from pycoll.schedule import ROOTED, Collective, Layout, Schedule, split
+from pycoll.schedule import ROOTED, Collective, Layout, Schedule, building_only, split
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,81 @@ def play_lockstep(program: Program, topology: Topology, itemsize: int, rank: int
     )
 
 
+# --- one rank for all -----------------------------------------------------------------------
+
+_SHARDED = frozenset({Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.ALLGATHER})
+# Families whose ranks all do the same at the same moments, by collective (halving-doubling at
+# powers of two; on whole nodes): one rank's program played alone then costs
+# what every rank's played together do. hierarchical_tree is not symmetric, but rank 0 roots
+# both trees between nodes: busy in every round, its finish is the call's.
+SYMMETRIC = {"ring": _SHARDED, "direct": _SHARDED, "halving_doubling": _SHARDED,
+             "hierarchical": _SHARDED, "two_shot": frozenset({Collective.ALLREDUCE}),
+             "hierarchical_tree": frozenset({Collective.ALLREDUCE})}
+
+
+def symmetric(collective: Collective, family: str, nranks: int, ranks_per_node: int = 0
+              ) -> bool:
+    """Whether rank 0's program stands for every rank's (``SYMMETRIC``)."""
+    if collective not in SYMMETRIC.get(family, ()):
+        return False
+    if family == "halving_doubling" and nranks & (nranks - 1):
+        return False
+    # a part-filled node's ranks send more between nodes than rank 0 does
+    return _node_size(nranks, ranks_per_node) == 0 or nranks % ranks_per_node == 0
+
+
+def _node_size(nranks: int, ranks_per_node: int) -> int:
+    return 0 if ranks_per_node >= nranks else ranks_per_node  # as algorithms.build reads it
+
+
+@functools.lru_cache(maxsize=256)
+def rank_zero_schedule(collective: Collective, family: str, nranks: int, nsegments: int,
+                       ranks_per_node: int) -> Schedule:
+    """``family``'s schedule with rank 0's steps alone (``building_only``): O(p) transfers
+    where every rank's are O(p^2), for pricing a symmetric one."""
+    emit = algorithms.FAMILIES[family].SCHEDULES[collective]
+    nodes = ({"ranks_per_node": _node_size(nranks, ranks_per_node)}
+             if algorithms.node_aware(family) else {})
+    with building_only(frozenset({0})):
+        return emit(nranks, nsegments, **nodes)
+
+
+def lockstep_seconds(collective: Collective, family: str, nranks: int, nsegments: int,
+                     count: int, topology: Topology, itemsize: int) -> float:
+    """Rank 0's program for ``count`` elements played alone (``play_lockstep``); with fewer
+    elements than chunks, every chunk is given one, so that rank 0 does what every rank does."""
+    schedule = rank_zero_schedule(collective, family, nranks, nsegments,
+                                  topology.ranks_per_node)
+    program = program_of(schedule, 0, max(count, schedule.nchunks))
+    return play_lockstep(program, topology, itemsize, rank=0)
+
+
+def chunks_of(collective: Collective, family: str, nranks: int, nsegments: int,
+              root: int | None, ranks_per_node: int) -> int:
+    """How many chunks ``family``'s schedule cuts WORK into, without building every rank's
+    steps where rank 0's say it."""
+    if symmetric(collective, family, nranks, ranks_per_node):
+        return rank_zero_schedule(collective, family, nranks, nsegments, ranks_per_node).nchunks
+    return algorithms.build(family, collective, nranks, nsegments, root,
+                            ranks_per_node=ranks_per_node).nchunks
+
+
+def seconds(collective: Collective, family: str, nranks: int, nsegments: int,
+            root: int | None, count: int, topology: Topology, itemsize: int) -> float:
+    """The predicted time of a call of ``count`` elements: the play of every rank's program,
+    or, where that is the same number, rank 0's alone (a symmetric schedule whose chunks all
+    hold as many elements; tests/test_model.py checks the two agree)."""
+    if count > 0 and symmetric(collective, family, nranks, topology.ranks_per_node):
+        nchunks = chunks_of(collective, family, nranks, nsegments, root,
+                            topology.ranks_per_node)
+        if count % nchunks == 0:
+            return lockstep_seconds(collective, family, nranks, nsegments, count, topology,
+                                    itemsize)
+    schedule = algorithms.build(family, collective, nranks, nsegments, root,
+                                ranks_per_node=topology.ranks_per_node)
+    return play(programs(schedule, count), topology, itemsize).seconds
+
+
 def _start(program: Program, topology: Topology, itemsize: int) -> float:
     """The call's fixed cost and its seed copies, before the first step."""
     return topology.call + sum(topology.copy_seconds((stop - start) * itemsize)
@@ -359,12 +435,9 @@ def candidates(
         for nsegments in SEGMENT_CHOICES:
             if nsegments > 1 and count < nsegments * nranks:
                 break
-            schedule = algorithms.build(
-                family, collective, nranks, nsegments, root if collective in ROOTED else None,
-                ranks_per_node=topology.ranks_per_node,
-            )
-            seconds = play(programs(schedule, count), topology, itemsize).seconds
-            out.append(Candidate(family, nsegments, seconds))
+            predicted = seconds(collective, family, nranks, nsegments,
+                                root if collective in ROOTED else None, count, topology, itemsize)
+            out.append(Candidate(family, nsegments, predicted))
     return sorted(out, key=lambda c: (c.seconds, c.algorithm, c.nsegments))
 
 

@@ -4,12 +4,13 @@ Every prediction plays the algorithm's own schedule (:mod:`pycoll.model`). Two s
 grow as the square of the rank count (ring: 2(p-1) steps on each of p ranks; direct: p-1
 messages on each; halving-doubling's transfers are per block, merged into log2 p messages
 only when compiled), too many to hold at thousands of ranks; all are rank-symmetric (halving-
-doubling for powers of two), so beyond
-``FULL_LIMIT`` ranks one rank's steps are built (``building_only``) and played in lockstep:
-every step costs what it costs that rank, as every rank does the same (the tests check this
-equals the full play). Their segment count is then 1 (a ring's segments run one after
-another, so under the model more only add alphas). Direct is left out beyond 512 ranks,
-two_shot (played in full) beyond 64.
+doubling for powers of two), so rank 0's steps alone are built (``building_only``) and played
+in lockstep (``model.seconds``): every step costs what it costs that rank, as every rank does
+the same. Up to ``FULL_LIMIT`` ranks that is done only where it equals the full play (whole
+nodes, chunks of equal size; the tests check it), else every rank is played. Beyond, one rank
+stands for all whatever the size, and the segment count is 1 (a ring's segments run one after
+another, so under the model more only add alphas). Direct and two_shot are left out beyond
+512 ranks.
 """
 
 from __future__ import annotations
@@ -22,18 +23,12 @@ from pathlib import Path
 
 from pycoll import algorithms, model
 from pycoll.bench import bus_factor
-from pycoll.schedule import ROOTED, Collective, building_only
+from pycoll.schedule import ROOTED, Collective
 from pycoll.select import spans_nodes
 
 FULL_LIMIT = 64  # beyond this, symmetric schedules are played on one rank (same result)
 DIRECT_LIMIT = 512  # p-1 messages per rank: not a candidate beyond
 ONE_ROUND = ("direct", "two_shot")  # the families with p-1 messages per rank and round
-_SHARDED = {Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.ALLGATHER}
-LOCKSTEP = {"ring": _SHARDED, "direct": _SHARDED, "halving_doubling": _SHARDED,
-            "hierarchical": _SHARDED,
-            # not symmetric, but rank 0 roots both trees between nodes: busy in every round,
-            # so its finish is the call's (the tests check it against the full play)
-            "hierarchical_tree": {Collective.ALLREDUCE}}
 
 
 def builtin_topologies() -> dict[str, model.Topology]:
@@ -88,18 +83,18 @@ def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: i
     topology = topology.with_curves()
     root = 0 if collective in ROOTED else None
     best = None
-    lockstep = nranks > FULL_LIMIT and collective in LOCKSTEP.get(family, set()) and (
-        family != "halving_doubling" or nranks & (nranks - 1) == 0  # symmetric: powers of 2
-    )
+    # beyond FULL_LIMIT, rank 0 stands for all even on part-filled nodes (so nodes are not
+    # passed) and with uneven chunks
+    lockstep = nranks > FULL_LIMIT and model.symmetric(collective, family, nranks)
     for nsegments in (1,) if lockstep else model.SEGMENT_CHOICES:
         if nsegments > 1 and count < 4 * nsegments * nranks:
             break
         if lockstep:
-            seconds = _lockstep(collective, family, nranks, count, topology, itemsize)
+            seconds = model.lockstep_seconds(collective, family, nranks, 1, count, topology,
+                                             itemsize)
         else:
-            schedule = algorithms.build(family, collective, nranks, nsegments, root,
-                                        ranks_per_node=topology.ranks_per_node)
-            seconds = model.play(model.programs(schedule, count), topology, itemsize).seconds
+            seconds = model.seconds(collective, family, nranks, nsegments, root, count,
+                                    topology, itemsize)
         if best is None or seconds < best[1]:
             best = (nsegments, seconds)
     nsegments, seconds = best
@@ -109,28 +104,12 @@ def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: i
     return Estimate(nranks, nbytes, family, nsegments, seconds, busbw, how)
 
 
-def _lockstep(collective, family, nranks, count, topology, itemsize) -> float:
-    schedule = _rank_zero_schedule(collective, family, nranks, topology.ranks_per_node)
-    # Every chunk holds data, so that rank 0 does what every rank does (with fewer elements
-    # than blocks, empty transfers would drop out on some ranks and not on others).
-    program = model.program_of(schedule, 0, max(count, schedule.nchunks))
-    return model.play_lockstep(program, topology, itemsize, rank=0)
-
-
-@functools.lru_cache(maxsize=64)
-def _rank_zero_schedule(collective: Collective, family: str, nranks: int, ranks_per_node: int):
-    emit = algorithms.FAMILIES[family].SCHEDULES[collective]
-    nodes = {"ranks_per_node": ranks_per_node} if algorithms.node_aware(family) else {}
-    with building_only(frozenset({0})):
-        return emit(nranks, 1, **nodes)
-
-
 def applies(collective: Collective, family: str, nranks: int, topology: model.Topology) -> bool:
     """Whether ``family`` is priced at ``nranks``: one-round families up to DIRECT_LIMIT
     ranks where one rank can price them in lockstep, else up to FULL_LIMIT (their p² full
     play takes minutes beyond); node-aware ones where the ranks span nodes."""
     if family in ONE_ROUND:
-        limit = DIRECT_LIMIT if collective in LOCKSTEP.get(family, set()) else FULL_LIMIT
+        limit = DIRECT_LIMIT if model.symmetric(collective, family, nranks) else FULL_LIMIT
         if nranks > limit:
             return False
     return not (algorithms.node_aware(family) and not spans_nodes(topology, nranks))

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, replace
 
 from pycoll import model
-from pycoll.algorithms import build, families_for, node_aware
+from pycoll.algorithms import families_for, node_aware
 from pycoll.schedule import ROOTED, Collective
 
 ALGO_ENV = "PYCOLL_ALGO"
@@ -187,14 +187,17 @@ def rank_candidates(
 
 def estimate(collective, family, nranks, nsegments, root, topology, itemsize, count) -> float:
     """The model's time for ``count`` elements: exact for a small call; otherwise linear
-    between exact plays at the powers of two around ``count`` (cached), so that a size sweep
-    plays each schedule about once per size, whatever the rank count."""
+    between exact plays at the chunk count's multiples by powers of two around ``count``
+    (cached), so that a size sweep plays each schedule about once per size, whatever the
+    rank count (and a symmetric schedule is played on one rank: ``model.seconds``)."""
     key = (collective, family, nranks, nsegments, root, topology.ranks_per_node)
-    nchunks = build(family, collective, nranks, nsegments, root,
-                    ranks_per_node=topology.ranks_per_node).nchunks
+    nchunks = model.chunks_of(collective, family, nranks, nsegments, root,
+                              topology.ranks_per_node)
     if count <= 64 * nchunks:
         return _exact(key, topology, itemsize, count)
-    low = 1 << (count.bit_length() - 1)
+    # even chunks at both ends where nchunks is a power of two: the powers of two themselves
+    unit = nchunks if model.symmetric(collective, family, nranks, topology.ranks_per_node) else 1
+    low = unit << ((count // unit).bit_length() - 1)
     if low == count:
         return _exact(key, topology, itemsize, count)
     t_low = _exact(key, topology, itemsize, low)
@@ -204,10 +207,8 @@ def estimate(collective, family, nranks, nsegments, root, topology, itemsize, co
 
 @functools.lru_cache(maxsize=8192)
 def _exact(key: tuple, topology: model.Topology, itemsize: int, count: int) -> float:
-    collective, family, nranks, nsegments, root, ranks_per_node = key
-    schedule = build(family, collective, nranks, nsegments, root,
-                     ranks_per_node=ranks_per_node)
-    return model.play(model.programs(schedule, count), topology, itemsize).seconds
+    collective, family, nranks, nsegments, root, _ = key
+    return model.seconds(collective, family, nranks, nsegments, root, count, topology, itemsize)
 
 
 def topology_for(comm, space, alone: bool = False) -> model.Topology:

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from pycoll import algorithms, model
+from pycoll import algorithms, model, scaling
 from pycoll.schedule import Collective
 
 A, B, G = 1.0, 1e-3, 1e-4
@@ -193,3 +193,61 @@ def test_topology_files_round_trip_and_reject_unknown_keys(tmp_path):
     assert model.nearest(loaded["mpi"], 3).nranks == 4
     assert model.nearest(loaded["mpi"], 2).nranks == 2
     assert model.nearest(loaded["mpi"], 64).nranks == 4 and model.nearest([], 4) is None
+
+
+# --- rank 0 alone for a symmetric schedule --------------------------------------------------
+
+NODES = replace(SINGLE, inter=model.Link(3 * A, 5 * B), ranks_per_node=4)  # two link classes
+
+
+def _every_rank(collective, family, p, segments, count, topology):
+    schedule = algorithms.build(family, collective, p, segments,
+                                ranks_per_node=topology.ranks_per_node)
+    return model.play(model.programs(schedule, count), topology, 4).seconds
+
+
+@pytest.mark.parametrize("family,collective", [
+    (family, collective) for family, collectives in model.SYMMETRIC.items()
+    for collective in sorted(collectives, key=lambda c: c.value)])
+def test_one_rank_prices_a_symmetric_schedule_as_every_rank_does(family, collective):
+    """What makes pricing 64 ranks take seconds, not minutes: rank 0's steps alone, played
+    in lockstep, where that equals the play of every rank (on part-filled nodes or with
+    uneven chunks ``model.seconds`` plays every rank, so it must agree everywhere)."""
+    topologies = (SINGLE, MULTI, NODES, replace(NODES, ranks_per_node=1),
+                  scaling.builtin_topologies()["nvlink-ib"].with_curves())
+    alone = 0
+    for p in (1, 2, 3, 5, 8, 12, 16):
+        for topology in topologies:
+            for segments in (1, 3):
+                try:
+                    nchunks = model.chunks_of(collective, family, p, segments, None,
+                                              topology.ranks_per_node)
+                except ValueError:
+                    nchunks = 1
+                for count in (5 * nchunks, 5 * nchunks + 1, 2):
+                    try:
+                        full = _every_rank(collective, family, p, segments, count, topology)
+                    except ValueError:  # hierarchical on part-filled nodes: no schedule
+                        with pytest.raises(ValueError, match="does not divide"):
+                            model.seconds(collective, family, p, segments, None, count,
+                                          topology, 4)
+                        continue
+                    fast = model.seconds(collective, family, p, segments, None, count,
+                                         topology, 4)
+                    assert fast == pytest.approx(full, rel=1e-12), (p, topology.name, count)
+                    alone += model.symmetric(collective, family, p, topology.ranks_per_node)
+    assert alone > 0
+
+
+def test_a_symmetric_schedule_is_priced_without_building_every_rank(monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("built every rank's steps")
+
+    monkeypatch.setattr(algorithms, "build", refused)
+    for family in ("ring", "direct", "halving_doubling", "two_shot"):
+        p = 256
+        t = model.seconds(Collective.ALLREDUCE, family, p, 1, None, p * 64, SINGLE, 4)
+        assert t > 0
+    # a part-filled node is not symmetric: every rank is played
+    with pytest.raises(AssertionError, match="every rank"):
+        model.seconds(Collective.ALLREDUCE, "ring", 6, 1, None, 6 * 64, NODES, 4)

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 import pycoll
-from pycoll import algorithms, model, scaling, tune
+from pycoll import model, scaling, tune
 from pycoll.cli import main
-from pycoll.schedule import Collective
 
 
 def test_tune_measures_fits_and_writes_a_tuning_file(tmp_path, capsys):
@@ -110,23 +109,6 @@ def test_topology_files_load_by_path(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(scaling.builtin_topologies()["ethernet"].to_json()))
     assert scaling.topology_named(str(path)).ranks_per_node == 1
-
-
-@pytest.mark.parametrize("family,p", [
-    *[(f, p) for f in ("ring", "direct", "halving_doubling", "hierarchical",
-                       "hierarchical_tree") for p in (8, 16, 32)],
-    ("hierarchical", 24), ("hierarchical_tree", 24),  # 3 nodes (halving-doubling: powers of 2)
-])
-def test_one_rank_in_lockstep_equals_every_rank_for_symmetric_schedules(family, p):
-    """What `pycoll model` does beyond FULL_LIMIT ranks, checked where both run (the
-    hierarchical ones on 1 to 4 nodes of 8)."""
-    topology = scaling.builtin_topologies()["nvlink-ib"]  # two link classes
-    for count in (p, 3 * p, p * 4096):  # even blocks: every rank does the same
-        schedule = algorithms.build(family, Collective.ALLREDUCE, p,
-                                    ranks_per_node=topology.ranks_per_node)
-        full = model.play(model.programs(schedule, count), topology, 4).seconds
-        alone = scaling._lockstep(Collective.ALLREDUCE, family, p, count, topology, 4)
-        assert alone == pytest.approx(full, rel=1e-12)
 
 
 def test_tune_and_compare_under_mpiexec(tmp_path):
