@@ -257,7 +257,7 @@ class SharedMemoryTransport:
         self._tails = [0] * count
         self._small_seq = 0
         self._small_views: dict[tuple, tuple] = {}
-        self.ops: dict[tuple, tuple] = {}  # (dtype, op as given) -> (op, reducer), checked
+        self.ops: dict[tuple, tuple] = {}  # (dtype, op as given) -> (op, reducer, call), checked
         self._readable = [False] * count  # peers whose memory this rank can read (CMA)
         self._read_by = [False] * count  # peers that can read this rank's memory
         self._scratch: np.ndarray | None = None  # a reduction's piece of a peer's array

@@ -88,8 +88,9 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
     if known is None:
         _space(x, "allreduce")
         parsed = _op(op, x, "allreduce")
-        known = shared.ops[(x.dtype, op)] = (parsed, HOST.reducer(parsed, x.dtype))
-    parsed, reducer = known
+        known = shared.ops[(x.dtype, op)] = (parsed, HOST.reducer(parsed, x.dtype),
+                                             _call_number(parsed, None, None))
+    parsed, reducer, call = known
     if out is None:
         out = np.empty_like(x)
     elif not (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
@@ -98,7 +99,9 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
                    or not np.may_share_memory(out, x))):
         out = _out(out, x, x.shape, "allreduce", may_alias=True)  # raises, or in place
     flat = out if out.ndim == 1 else out.reshape(-1)
-    slots = _publish(comm, shared, Collective.ALLREDUCE, x, parsed, None, None)
+    if comm.check:
+        _agree(comm, Collective.ALLREDUCE, x, parsed, "auto", None, None)
+    slots = _publish(comm, shared, Collective.ALLREDUCE, x, call)
     _sum_in_rank_order(flat, slots, reducer)
     if parsed is ReduceOp.AVG:
         HOST.finish(flat, parsed, comm.size)
@@ -132,24 +135,27 @@ def _small_exchange(comm: Communicator, collective: Collective, x: Array, op: Re
     shared = comm.one_shot_for(collective)
     if shared is None or x.nbytes > min(shared.small_bytes, SMALL_EXCHANGE_BYTES):
         return None
-    return _publish(comm, shared, collective, x, op, blocks, root)
+    if comm.check:
+        _agree(comm, collective, x, op, "auto", blocks, root)
+    return _publish(comm, shared, collective, x, _call_number(op, blocks, root))
+
+
+def _call_number(op: ReduceOp | None, blocks: tuple[int, ...] | None, root: int | None) -> int:
+    """op, root and counts as one int64 that every rank computes alike (hashes of ints and
+    tuples of ints are not salted per process), for the one-shot to compare."""
+    call = _OP_CODES.get(op, 0) | (0 if root is None else root + 1) << 3
+    return call if blocks is None else hash((call, blocks)) >> 1  # fits an int64 word
 
 
 def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndarray,
-             op: ReduceOp | None, blocks: tuple[int, ...] | None, root: int | None) -> tuple:
-    """Every rank's ``x`` through the shared slots, after the agreement check when it is on."""
-    if comm.check:
-        _agree(comm, collective, x, op, "auto", blocks, root)
+             call: int) -> tuple:
+    """Every rank's ``x`` through the shared slots (``call``: ``_call_number``'s)."""
     comm.traffic.to_every_peer(x.nbytes)
-    # op, root and counts as one int64 that every rank computes alike (hashes of ints and
-    # tuples of ints are not salted per process)
-    call = _OP_CODES.get(op, 0) | (0 if root is None else root + 1) << 3
-    if blocks is not None:
-        call = hash((call, blocks)) >> 1  # fits an int64 word
+    name = collective._value_  # not .value: an Enum property costs as much as a small copy
     try:
-        return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), collective.value, call)
+        return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), name, call)
     except WaitTimeout as late:
-        raise comm.timed_out(f"{collective.value} (one-shot)", late) from None
+        raise comm.timed_out(f"{name} (one-shot)", late) from None
 
 
 def _sum_in_rank_order(out: np.ndarray, parts: tuple, reduce: Any) -> None:

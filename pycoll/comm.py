@@ -260,12 +260,13 @@ class Communicator:
         """The shared-memory endpoint when it reaches every rank, for small calls of
         ``collective`` in one shot through its slots, unless ``PYCOLL_ALGO`` forces that
         collective's family; else None."""
-        found = self._one_shot_by.get(collective)
+        # keyed by the name: an Enum member hashes in Python code, on every small call
+        found = self._one_shot_by.get(collective._value_)
         if found is None:
             from pycoll.select import forced_algorithm
 
             shared = self.node_transport()
-            found = self._one_shot_by[collective] = (
+            found = self._one_shot_by[collective._value_] = (
                 (shared,) if forced_algorithm(collective) is None else (None,))
         return found[0]
 

@@ -27,6 +27,9 @@ class Traffic:
     def __post_init__(self) -> None:
         mine = self.nodes[self.rank]
         self._class_of = ["intra" if node == mine else "inter" for node in self.nodes]
+        peers = self._class_of[: self.rank] + self._class_of[self.rank + 1 :]
+        self._peers_by_class = [(link, peers.count(link)) for link in CLASSES
+                                if link in peers]
 
     def add(self, peer: int, nbytes: int) -> None:
         """One message of ``nbytes`` to ``peer``."""
@@ -36,9 +39,9 @@ class Traffic:
 
     def to_every_peer(self, nbytes: int) -> None:
         """One message of ``nbytes`` to every other rank (a published array)."""
-        for peer in range(len(self.nodes)):
-            if peer != self.rank:
-                self.add(peer, nbytes)
+        for link, peers in self._peers_by_class:  # once per link class: every small call
+            self.messages[link] += peers
+            self.bytes[link] += peers * nbytes
 
     def reset(self) -> None:
         for table in (self.messages, self.bytes):
