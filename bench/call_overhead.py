@@ -98,4 +98,9 @@ def main(rounds: int = 3, which: str = "calls") -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3, *sys.argv[2:3])
+    args = sys.argv[1:]
+    which = "--layers" if "--layers" in args else "calls"
+    numbers = [a for a in args if a != "--layers"]
+    if len(numbers) > 1 or (numbers and not numbers[0].isdigit()):
+        sys.exit(f"usage: python bench/call_overhead.py [ROUNDS] [--layers]; got {args}")
+    main(int(numbers[0]) if numbers else 3, which)

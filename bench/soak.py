@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
@@ -93,25 +94,26 @@ def soak(calls: int, seed: int = 7, warmup: int = 3000) -> tuple[int, int, float
     return calls, int(table[:, 0].sum()), float(table[:, 1].max() / 1e6), seconds
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("calls", type=int, nargs="?", default=10_000)
     parser.add_argument("--ranks", type=int, help="in-process ranks (default: the MPI job)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3000, help="calls before measuring")
     args = parser.parse_args()
-    if args.ranks:
+    if args.ranks is not None:  # --ranks 0 is refused by run_local, not taken for MPI
         results = pycoll.run_local(args.ranks, soak, args.calls, args.seed, args.warmup)
         result, nranks = results[0], args.ranks
     else:
         result, nranks = soak(args.calls, args.seed, args.warmup), pycoll.world().size
         if pycoll.world().rank != 0:
-            return
+            return 0
     calls, wrong, growth, seconds = result
     print(f"soak: {calls} collectives on {nranks} ranks in {seconds:.1f} s (after "
           f"{args.warmup} to warm up), {wrong} wrong, resident set growth {growth:+.2%} "
           "(largest over the ranks)", flush=True)
+    return 1 if wrong else 0  # a wrong result fails the run (mpiexec reports rank 0's exit)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,6 +18,9 @@ def load(folder: Path) -> dict:
     table: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for path in sorted(folder.glob("*.json")):
         for row in json.loads(path.read_text()):
+            if row.get("native_time_us") is None:
+                sys.exit(f"{path}: a row without native MPI times; this table compares "
+                         "against them: run `pycoll bench --against mpi` under mpiexec")
             key = (row["collective"], row["nranks"])
             table[key][row["size"]][row["algorithm"]].append(
                 (row["time_us"], row["native_time_us"], row["wrong"], row["busbw"],
@@ -58,8 +61,9 @@ def main(folder: str) -> None:
                 wrong += sum(s[2] or 0 for s in samples)  # None: not checked (-c 0)
                 cells.append(f"{busbw:.3f}")
             cells.append(f"{statistics.median(natives):.3f}")
-            best = max((a for a in ratios if a != "auto"), key=ratios.get)
-            cells += [best, f"{ratios[best]:.2f}", f"{ratios['auto']:.2f}", str(wrong)]
+            best = max((a for a in ratios if a != "auto"), key=ratios.get, default=None)
+            cells += ["-", "-"] if best is None else [best, f"{ratios[best]:.2f}"]
+            cells += [f"{ratios['auto']:.2f}" if "auto" in ratios else "-", str(wrong)]
             print("| " + " | ".join(cells) + " |")
 
 

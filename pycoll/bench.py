@@ -31,7 +31,7 @@ from pycoll import oracle
 from pycoll.algorithms import families_for
 from pycoll.comm import Communicator
 from pycoll.kernels import ReduceOp, check_dtype
-from pycoll.schedule import Collective
+from pycoll.schedule import REDUCING, ROOTED, Collective
 
 COLLECTIVES = {
     "allreduce": Collective.ALLREDUCE,
@@ -179,7 +179,7 @@ def run(options: Options, comm: Communicator, on_row: Callable[[Row], None] | No
     native = comm.mpi_comm if options.against == "mpi" else None
     if options.against == "mpi" and native is None:
         raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
-    if not 0 <= options.root < comm.size:
+    if collective in ROOTED and not 0 <= options.root < comm.size:  # others ignore it
         raise ValueError(f"--root={options.root} is not a rank; allowed: 0..{comm.size - 1}")
     all_sizes = sizes(options.min_bytes, options.max_bytes, options.step_factor)
     rows: list[Row] = []
@@ -460,8 +460,11 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
     nbytes = case.count * dtype.itemsize
     factor = bus_factor(collective, comm.size)
     algbw = nbytes / (time_us * 1e-6) / 1e9 if time_us > 0 else 0.0
-    row = Row(options.collective, comm.size, nbytes, case.count, dtype.name, options.op,
-              options.root, algorithm, time_us, algbw, algbw * factor, wrong)
+    # as nccl-tests prints them: redop "none" and root -1 where the collective has none
+    row = Row(options.collective, comm.size, nbytes, case.count, dtype.name,
+              options.op if collective in REDUCING else "none",
+              options.root if collective in ROOTED else -1, algorithm, time_us, algbw,
+              algbw * factor, wrong)
     if native_us is not None:
         native_algbw = nbytes / (native_us * 1e-6) / 1e9 if native_us > 0 else 0.0
         row.native_time_us = native_us
@@ -474,7 +477,7 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
 # --against, the roofline ones with --roofline (a missing value prints as 0).
 _COLUMNS = [("size(B)", 12, "size", ""), ("count", 11, "count", ""), ("type", 8, "type", ""),
             ("redop", 5, "redop", ""), ("root", 4, "root", ""),
-            ("algorithm", 16, "algorithm", ""), ("time(us)", 10, "time_us", ".1f"),
+            ("algorithm", 17, "algorithm", ""), ("time(us)", 10, "time_us", ".1f"),
             ("algbw(GB/s)", 11, "algbw", ".3f"), ("busbw(GB/s)", 11, "busbw", ".3f"),
             ("#wrong", 6, "wrong", "")]
 _AGAINST = [("mpi(us)", 10, "native_time_us", ".1f"), ("mpi busbw", 9, "native_busbw", ".3f"),

@@ -184,6 +184,8 @@ def _writable(path: str | None, flag: str) -> None:
     """Fail before measuring, not after: ``path`` ('-': stdout) must be writable."""
     if path is None or path == "-":
         return
+    if not path:  # "" would name the current folder
+        raise ValueError(f"{flag} '': an empty path; allowed: a file path, or - for stdout")
     folder = os.path.dirname(path) or "."
     if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise ValueError(f"{flag} {path}: cannot write a file there")
@@ -222,6 +224,9 @@ def _bench(args: argparse.Namespace) -> int:
         _ranks_flag(args.ranks)
         _writable(args.json, "--json")
         _writable(args.csv, "--csv")
+        if args.json is not None and args.json == args.csv:  # one would overwrite the other
+            raise ValueError(f"--json {args.json} --csv {args.csv}: the same destination; "
+                             "allowed: different files, or - for one of them")
         if args.ranks is not None and args.against:
             raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
     except (ValueError, TypeError, RuntimeError) as error:
@@ -309,11 +314,16 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
     result.command = " ".join(words)
     prefix = args.output or f"compare-{args.collective}-{result.nranks}"
     text = result.markdown().replace("# ", "# pycoll compare: ", 1)
-    with open(f"{prefix}.md", "w") as f:
-        f.write(text + f"\n![busbw against size]({prefix.rsplit('/', 1)[-1]}.png)\n")
-    compare.plot(result, f"{prefix}.png")
     print(text, flush=True)
-    print(f"wrote {prefix}.md and {prefix}.png")
+    try:
+        compare.plot(result, f"{prefix}.png")
+        link = f"\n![busbw against size]({prefix.rsplit('/', 1)[-1]}.png)\n"
+        wrote = f" and {prefix}.png"
+    except ImportError:  # matplotlib is an extra: the table stands without its plot
+        link, wrote = "", " (no plot: matplotlib is not installed; pip install 'pycoll[plot]')"
+    with open(f"{prefix}.md", "w") as f:
+        f.write(text + "\n" + link)
+    print(f"wrote {prefix}.md{wrote}")
     return 0 if all(sum(p.wrong.values()) == 0 for p in result.points) else 1
 
 
@@ -339,7 +349,12 @@ def _model(args: argparse.Namespace) -> int:
         sizes = bench.sizes(bench.parse_size(args.min_bytes), bench.parse_size(args.max_bytes),
                             args.step_factor)
         # whole elements, as bench measures them (1 B of float64 is no element)
-        sizes = sorted({s // itemsize * itemsize for s in sizes} - {0}) or [0]
+        sizes = sorted({s // itemsize * itemsize for s in sizes} - {0})
+        if not sizes:
+            raise ValueError(f"--min-bytes={args.min_bytes} --max-bytes={args.max_bytes} "
+                             f"--step-factor={args.step_factor} sweep no whole element of "
+                             f"{args.dtype} ({itemsize} B); allowed: a sweep reaching "
+                             f"{itemsize} B or more")
         rows = scaling.table(collective, ranks, sizes, topology, itemsize=itemsize)
     except (ValueError, TypeError) as error:
         print(f"pycoll model: {error}", file=sys.stderr)
@@ -382,6 +397,7 @@ def _tune(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-bytes={args.max_bytes!r} leaves {len(sizes)} size(s) of "
                              f"{tune.STEP_SIZES[:2]} to fit; allowed: {tune.STEP_SIZES[1]} "
                              "bytes or more")
+        _writable(args.output, "--output")  # before measuring, not after
         tune.tune(Path(args.output) if args.output else None, args.repeats, sizes,
                   local_ranks, local_sizes=local)
     except (ValueError, OSError) as error:

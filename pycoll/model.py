@@ -478,10 +478,13 @@ def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
 def save_tuning(topologies: list[tuple[str, Topology]], path: Path | None = None,
                 fits: dict | None = None) -> Path:
     """Write (kind, topology) pairs into the tuning file, replacing those of the same kind and
-    rank count and keeping the rest; returns the file's path."""
+    rank count and keeping the rest (their fits too); returns the file's path."""
     path = tuning_path() if path is None else path
+    kept_fits: dict = {}
     try:
         current = load_tuning(path)
+        if current:
+            kept_fits = dict(json.loads(path.read_text()).get("fits") or {})
     except ValueError as unreadable:  # what `pycoll tune` is told to fix: start it afresh
         print(f"pycoll: {unreadable}; writing a new one", file=sys.stderr)
         current = {}
@@ -489,8 +492,8 @@ def save_tuning(topologies: list[tuple[str, Topology]], path: Path | None = None
         kept = [t for t in current.get(kind, []) if t.nranks != topology.nranks]
         current[kind] = sorted(kept + [topology], key=lambda t: t.nranks)
     body: dict = {"transports": {k: [t.to_json() for t in v] for k, v in current.items()}}
-    if fits:
-        body["fits"] = fits
+    if fits or kept_fits:
+        body["fits"] = {**kept_fits, **(fits or {})}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=1) + "\n")
     return path

@@ -134,6 +134,8 @@ def crossover(collective: Collective, p: int, topology: model.Topology, a: str, 
               low: int = 8, high: int = 1 << 32, itemsize: int = 4) -> int | None:
     """The largest power-of-two size (bytes) at which ``a`` still predicts faster than
     ``b`` at ``p`` ranks, scanning up from ``low`` (None: ``a`` is never faster)."""
+    if low < 1:  # 0 * 4 would scan forever
+        raise ValueError(f"low={low}; allowed: an int >= 1")
     last = None
     size = low
     while size <= high:

@@ -280,6 +280,36 @@ def test_an_op_in_capitals_is_the_op(capsys):
     assert json.loads(capsys.readouterr().out)[0]["redop"] == "prod"
 
 
+@pytest.mark.parametrize("collective,redop,root", [
+    ("allreduce", "max", -1), ("reduce_scatter", "max", -1), ("allgather", "none", -1),
+    ("alltoall", "none", -1), ("broadcast", "none", 1), ("reduce", "max", 1)])
+def test_redop_and_root_read_as_nccl_tests_print_them(capsys, collective, redop, root):
+    """"none" and -1 where the collective has no op or root, whatever -o and -r say (a root
+    beyond the ranks is then ignored, as nccl-tests ignores it)."""
+    r = "1" if root >= 0 else "5"
+    assert main(["bench", collective, "--ranks", "2", "-b", "8", "-e", "8", "-n", "1",
+                 "-w", "0", "-o", "max", "-r", r, "--json", "-"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert (row["redop"], row["root"]) == (redop, root)
+
+
+@pytest.mark.parametrize("json_path,csv_path,message", [
+    ("same", "same", "the same destination"),
+    ("-", "-", "the same destination"),
+    ("", None, "--json '': an empty path"),
+])
+def test_bench_refuses_outputs_that_would_clash(tmp_path, capsys, json_path, csv_path,
+                                                message):
+    """--json - --csv - printed JSON then CSV on stdout (neither parsed); one path for both
+    kept the CSV alone; --json '' wrote <cwd>.tmp and raised IsADirectoryError."""
+    args = ["bench", "--ranks", "2", "-b", "8", "-e", "8", "-n", "1", "-w", "0"]
+    for flag, path in (("--json", json_path), ("--csv", csv_path)):
+        if path is not None:
+            args += [flag, str(tmp_path / path) if path not in ("-", "") else path]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_kernel_dtypes_are_read_one_by_one(monkeypatch):
     """nccl-tests' names each: float is float32 and half float16 (numpy would read 'float'
     as float64)."""

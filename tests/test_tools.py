@@ -4,6 +4,9 @@ sweeps (their real runs are committed under bench/results/ and docs/scaling.md).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,8 +48,25 @@ def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_compare_without_matplotlib_keeps_its_table(tmp_path, capsys, monkeypatch):
+    """matplotlib is an extra: without it the sweep's table is still printed and written
+    (it raised ModuleNotFoundError after measuring, and left a link to no plot)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    prefix = tmp_path / "cmp"
+    assert main(["compare", "allreduce", "--ranks", "2", "-b", "1K", "-e", "1K", "-n", "1",
+                 "-w", "0", "--output", str(prefix)]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 KiB |" in out and "no plot: matplotlib is not installed" in out
+    table = (tmp_path / "cmp.md").read_text()
+    assert "| 1 KiB |" in table and ".png" not in table
+    assert not (tmp_path / "cmp.png").exists()
+
+
 @pytest.mark.parametrize("args,message", [
     (["compare", "alltoall", "--ranks", "2"], "nothing to compare"),
+    # no swept size holds a whole element (it priced 0 B, then scanned sizes 0, 0, ...)
+    (["model", "--ranks", "2", "-b", "1", "-e", "8"], "sweep no whole element of float32"),
+    (["model", "--ranks", "2", "-b", "4", "-e", "4", "-d", "float64"], "(8 B)"),
     (["model", "--ranks", "0"], "--ranks='0'"),
     (["model", "--topology", "moon"], "neither a built-in topology nor a file"),
     (["model", "gather"], "collective='gather'"),
@@ -77,6 +97,55 @@ def test_a_bad_topology_file_is_named_not_a_traceback(tmp_path, capsys, text, me
     assert main(["model", "--ranks", "4", "-b", "8", "-e", "8", "--topology", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"topology {path}" in err and message in err
+
+
+def test_tune_refuses_an_unwritable_output_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tune, "tune", lambda *args, **kwargs: pytest.fail("measured"))
+    assert main(["tune", "--output", str(tmp_path), "--repeats", "1"]) == 2
+    assert f"--output {tmp_path}: cannot write a file there" in capsys.readouterr().err
+
+
+def test_a_tuning_file_keeps_the_fits_of_other_rank_counts(tmp_path):
+    """Tuning at 2 ranks, then at 3, into one file: the 2-rank fits stayed (they were
+    replaced by the 3-rank ones alone)."""
+    path = tmp_path / "tuning.json"
+    two, three = (replace(model.Topology(), nranks=n) for n in (2, 3))
+    model.save_tuning([("shm", two)], path, fits={"shm@2": {"alpha": [1]}})
+    model.save_tuning([("shm", three)], path, fits={"shm@3": {"alpha": [2]}})
+    data = json.loads(path.read_text())
+    assert data["fits"] == {"shm@2": {"alpha": [1]}, "shm@3": {"alpha": [2]}}
+    assert [t.nranks for t in model.load_tuning(path)["shm"]] == [2, 3]
+
+
+def test_the_soak_fails_its_run_on_a_wrong_result(monkeypatch, capsys):
+    import runpy
+
+    soak = runpy.run_path(str(Path(__file__).parent.parent / "bench" / "soak.py"))
+    soak["soak"].__globals__["one_call"] = lambda rng, comm: False  # every call wrong
+    monkeypatch.setattr(sys, "argv", ["soak.py", "5", "--ranks", "2", "--warmup", "0"])
+    assert soak["main"]() == 1
+    assert "10 wrong" in capsys.readouterr().out  # 5 calls on each of 2 ranks
+    monkeypatch.setattr(sys, "argv", ["soak.py", "5", "--ranks", "0"])
+    with pytest.raises(ValueError, match="nranks=0"):  # not taken for "no --ranks"
+        soak["main"]()
+
+
+def test_summarize_names_rows_without_native_times(tmp_path):
+    row = {"collective": "allreduce", "nranks": 2, "size": 8, "algorithm": "auto",
+           "time_us": 1.0, "native_time_us": None, "wrong": 0, "busbw": 1.0,
+           "native_busbw": None}
+    (tmp_path / "run.json").write_text(json.dumps([row]))
+    done = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" /
+                                               "summarize.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "run pycoll bench --against mpi" in done.stderr.replace(
+        "`", "")
+    row |= {"native_time_us": 2.0, "native_busbw": 0.5}  # auto alone: no "best" to name
+    (tmp_path / "run.json").write_text(json.dumps([row]))
+    done = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" /
+                                               "summarize.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "| 8 B | 1.000 | 0.500 | - | - | 2.00 | 0 |" in done.stdout
 
 
 def test_tune_rewrites_a_tuning_file_it_cannot_read(tmp_path, capsys):
