@@ -134,6 +134,9 @@ def validate(options: Options) -> Collective:
             f"collective={options.collective!r} is unknown; allowed: {', '.join(COLLECTIVES)}"
         )
     collective = COLLECTIVES[options.collective]
+    if "," in str(options.dtype):  # numpy would read a structured dtype
+        raise ValueError(f"--dtype={options.dtype!r}: one dtype per run; allowed: one name "
+                         "(`pycoll bench kernels -d` takes a comma-separated list)")
     check_dtype(options.dtype)
     ReduceOp.parse(options.op)
     if options.iters < 1 or options.warmup < 0:
@@ -178,7 +181,8 @@ def run(options: Options, comm: Communicator, on_row: Callable[[Row], None] | No
     dtype = np.dtype(check_dtype(options.dtype))
     native = comm.mpi_comm if options.against == "mpi" else None
     if options.against == "mpi" and native is None:
-        raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
+        raise ValueError("--against mpi needs MPI ranks: run under mpiexec (in-process ranks "
+                         "have no native MPI to time)")
     if collective in ROOTED and not 0 <= options.root < comm.size:  # others ignore it
         raise ValueError(f"--root={options.root} is not a rank; allowed: 0..{comm.size - 1}")
     all_sizes = sizes(options.min_bytes, options.max_bytes, options.step_factor)

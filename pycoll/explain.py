@@ -210,6 +210,8 @@ def explain(
 
     def elements(chunk: int) -> str:
         start, stop = layout.chunk_range(chunk)
+        if stop == start:  # more chunks than elements: the run drops this transfer
+            return "no elements"
         return f"element {start}" if stop == start + 1 else f"elements {start}..{stop - 1}"
 
     rooted = f", root {root}" if kind in (Collective.BROADCAST, Collective.REDUCE) else ""

@@ -147,6 +147,14 @@ class Topology:
         topology = cls(**values)
         if topology.ports not in ("single", "multi"):
             raise ValueError(f"topology ports={topology.ports!r}; allowed: 'single', 'multi'")
+        for name, kinds in (("ranks_per_node", int), ("nranks", int),
+                            ("gamma", (int, float)), ("delta", (int, float)),
+                            ("call", (int, float))):
+            value = getattr(topology, name)
+            if isinstance(value, bool) or not isinstance(value, kinds) or not value >= 0:
+                allowed = "an int >= 0" if kinds is int else "a number >= 0"
+                raise ValueError(f"topology {source or topology.name}: {name}={value!r}; "
+                                 f"allowed: {allowed}")
         costs = [topology.intra.alpha, topology.intra.beta, topology.inter.alpha,
                  topology.inter.beta, topology.gamma, topology.delta]
         if any(not cost >= 0 for cost in costs):  # NaN too

@@ -62,6 +62,7 @@ def test_in_process_sweep_checks_every_size(collective, capsys, tmp_path):
     (["broadcast", "--ranks", "2", "--algorithm", "direct"], "has no broadcast schedule"),
     (["--ranks", "2", "-o", "mean"], "op='mean' is not a reduction"),
     (["--ranks", "2", "-d", "bool"], "dtype='bool' is not supported"),
+    (["--ranks", "2", "-d", "float32,float64"], "--dtype='float32,float64': one dtype per run"),
     (["nonsense", "--ranks", "2"], "collective='nonsense' is unknown"),
     (["--device", "cuda", "--against", "mpi"], "--against mpi times host arrays only"),
     (["--ranks", "2", "--algorithm", "all,ring"], "'all' stands alone"),

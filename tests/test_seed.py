@@ -148,6 +148,14 @@ def test_explain_every_collective(collective, nranks, capsys):
         assert capsys.readouterr().out.rstrip().endswith("matches the numpy oracle")
 
 
+def test_explain_names_a_chunk_without_elements(capsys):
+    """More segments than elements: some chunks are empty (it printed "elements 2..1")."""
+    assert main(["explain", "allreduce", "--ranks", "2", "--segments", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "(no elements): [] -> []" in out and "2..1" not in out
+    assert out.rstrip().endswith("matches the numpy oracle")
+
+
 def test_explain_rejects_a_family_without_the_schedule(capsys):
     assert main(["explain", "alltoall", "--algorithm", "ring"]) == 2
     assert "has no alltoall schedule" in capsys.readouterr().err

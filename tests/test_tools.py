@@ -87,9 +87,11 @@ def test_model_command_prints_every_algorithm_and_the_crossover(capsys):
 
 @pytest.mark.parametrize("text,message", [
     ('{"intra": {"alpha": 1e-6}}', "KeyError: 'beta'"),
-    ('{"gamma": "fast"}', "TypeError"),
+    ('{"gamma": "fast"}', "gamma='fast'; allowed: a number >= 0"),
     ('{"intra": {"alpha": -1, "beta": 1e-9}}', "a cost below 0"),
     ("[1, 2]", "is not a JSON object"),
+    ('{"ranks_per_node": "8"}', "ranks_per_node='8'; allowed: an int >= 0"),
+    ('{"gamma": -1}', "gamma=-1; allowed: a number >= 0"),
 ])
 def test_a_bad_topology_file_is_named_not_a_traceback(tmp_path, capsys, text, message):
     path = tmp_path / "topology.json"
