@@ -26,7 +26,7 @@ from pycoll.bench import bus_factor
 from pycoll.schedule import ROOTED, Collective
 from pycoll.select import spans_nodes
 
-FULL_LIMIT = 64  # beyond this, symmetric schedules are played on one rank (same result)
+FULL_LIMIT = 64  # beyond: symmetric schedules played on one rank at every size (up to: where exact)
 DIRECT_LIMIT = 512  # p-1 messages per rank: not a candidate beyond
 ONE_ROUND = ("direct", "two_shot")  # the families with p-1 messages per rank and round
 
