@@ -647,9 +647,11 @@ def _dtype_number(dtype: np.dtype) -> int:
 
 def _dtype_name(number: int) -> str:
     """The name of the numpy dtype whose ``num`` is ``number`` (as far as numpy knows it)."""
-    for char in np.typecodes["All"]:
-        if np.dtype(char).num & 0xFFFF == number:
-            return str(np.dtype(char))
+    import ml_dtypes  # bfloat16: a dtype numpy numbers when ml_dtypes registers it
+
+    for dtype in (*map(np.dtype, np.typecodes["All"]), np.dtype(ml_dtypes.bfloat16)):
+        if dtype.num & 0xFFFF == number:
+            return str(dtype)
     return f"dtype number {number}"
 
 

@@ -48,11 +48,13 @@ def allreduce(
                        stream=stream)
     comm = _comm(comm)
     known = None
+    if stream is None and algorithm == "auto" and isinstance(x, np.ndarray):
+        # a subclass (np.memmap) too: whether a call is one-shot must not depend on what
+        # differs between ranks (a rank left out would hang the others)
+        done = _one_shot_allreduce(x, op, out, comm)  # which remembers (dtype, op) itself
+        if done is not None:
+            return done
     if stream is None and type(x) is np.ndarray:
-        if algorithm == "auto":
-            done = _one_shot_allreduce(x, op, out, comm)  # which remembers (dtype, op) itself
-            if done is not None:
-                return done
         known = (_KNOWN, "allreduce", x.dtype, x.shape, op, algorithm, select.FORCED_SEGMENTS)
         remembered = _known(comm, known)
         if remembered is not None and x.flags.c_contiguous:
@@ -80,19 +82,20 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
     None when it does not apply, and the general path then runs (and reports any error)."""
     shared = comm.one_shot_for(Collective.ALLREDUCE)
     if shared is None or x.nbytes > shared.small_bytes or not x.flags.c_contiguous:
-        return None
+        return None  # (strided: the general path names it)
     try:
         known = shared.ops.get((x.dtype, op))
     except TypeError:  # an unhashable op: the general path names it
         return None
-    if known is None:
+    if known is None or type(x) is not np.ndarray:  # a subclass: matrix and masked refused
         _space(x, "allreduce")
+    if known is None:
         parsed = _op(op, x, "allreduce")
         known = shared.ops[(x.dtype, op)] = (parsed, HOST.reducer(parsed, x.dtype),
                                              _call_number(parsed, None, None))
     parsed, reducer, call = known
     if out is None:
-        out = np.empty_like(x)
+        out = np.empty(x.shape, x.dtype)  # numpy's own, as the general path returns
     elif not (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
               and out.flags.c_contiguous and out.flags.writeable
               and (out is x or (out.base is None and x.base is None)  # own their memory
@@ -130,8 +133,8 @@ def _small_exchange(comm: Communicator, collective: Collective, x: Array, op: Re
     """For a small call on host arrays where every rank shares a node: every rank's ``x``
     (flat views of the shared slots, valid until this communicator's next small exchange),
     after the agreement check when it is on; None when the schedules serve the call."""
-    if algorithm != "auto" or stream is not None or type(x) is not np.ndarray:
-        return None
+    if algorithm != "auto" or stream is not None or not isinstance(x, np.ndarray):
+        return None  # (a subclass is served alike: every rank must choose the same)
     shared = comm.one_shot_for(collective)
     if shared is None or x.nbytes > min(shared.small_bytes, SMALL_EXCHANGE_BYTES):
         return None
@@ -794,13 +797,15 @@ def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
     if counts is None:
         if rows % nranks:
             remedy = ("use alltoallv(x, send_counts)" if collective == "alltoall"
-                      else "pass counts=[...]")
+                      else f"pass {name}=[...]")
             raise ValueError(
                 f"{collective}: {what}={rows} does not divide by the {nranks} ranks; "
                 f"{remedy} ({nranks} row counts summing to {rows})"
             )
         return split(rows, nranks)
     try:
+        if isinstance(counts, dict | set | frozenset | str | bytes):  # keys, or no order
+            raise TypeError
         values = [int(c) for c in counts]
         integral = all(is_int(c) for c in counts)  # not bools, not floats that happen to be
     except (TypeError, ValueError):

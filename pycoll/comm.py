@@ -114,7 +114,9 @@ class Communicator:
                         f"default); this process has thread level {MPI.Query_thread()}"
                     )
             world = getattr(self.transport, "world", None)  # in-process only
-            queue = AsyncQueue(world, getattr(self.transport, "world_rank", 0))
+            rank_default = _default.comm  # in-process, the rank's: world() on its worker too
+            queue = AsyncQueue(world, getattr(self.transport, "world_rank", 0),
+                               on_start=lambda: setattr(_default, "comm", rank_default))
             if lane is None:
                 self.queue = queue
             else:
@@ -796,6 +798,8 @@ class _ThreadDefault(threading.local):
 
 _default = _ThreadDefault()
 _process_world: Communicator | None = None
+_local_runs: list[int] = []  # the run_local calls under way (their rank counts)
+_local_runs_lock = threading.Lock()
 
 
 def world() -> Communicator:
@@ -807,6 +811,13 @@ def world() -> Communicator:
     comm = _default.comm
     if comm is not None:
         return comm
+    if _local_runs and not launched_by_mpi():
+        # a thread a rank started: a world of one rank here would silently reduce nothing
+        raise RuntimeError(
+            f"pycoll.world() from thread {threading.current_thread().name!r}, which is not a "
+            "rank of the running pycoll.run_local (its ranks are threads, and a rank's own "
+            "threads have no default communicator); allowed: pass comm= the rank's "
+            "pycoll.world(), taken on the rank's thread")
     global _process_world
     if _process_world is None:
         if launched_by_mpi():
@@ -869,4 +880,10 @@ def run_local(nranks: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
         finally:
             _default.comm = None
 
-    return run_threads(nranks, body)
+    with _local_runs_lock:
+        _local_runs.append(nranks)
+    try:
+        return run_threads(nranks, body)
+    finally:
+        with _local_runs_lock:
+            _local_runs.remove(nranks)

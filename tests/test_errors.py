@@ -256,6 +256,11 @@ def test_the_reliability_doc_tables_every_bad_call():
      r"allreduce: x is a numpy.matrix; allowed: a numpy.ndarray \(pass numpy.asarray\(x\)\)"),
     (lambda: pycoll.allreduce(np.ma.masked_array([1, 2], mask=[0, 1])), TypeError,
      r"allreduce: x is a numpy.ma.MaskedArray; allowed: a numpy.ndarray"),
+    # a dict was read as its keys (named as counts[0]=0)
+    (lambda: pycoll.reduce_scatter(np.arange(2), counts={0: 1, 1: 1}), ValueError,
+     r"counts=\{0: 1, 1: 1\} is invalid; allowed: 2 non-negative ints"),
+    # its remedy named a counts= alltoallv does not take
+    (lambda: pycoll.alltoallv(np.arange(7), None), ValueError, r"pass send_counts=\[\.\.\.\]"),
     (lambda: pycoll.reduce_scatter(np.arange(2), counts=[True, True]), ValueError,
      r"counts=\[True, True\] is invalid; allowed: 2 non-negative ints"),
     (lambda: pycoll.reduce_scatter(np.arange(2), counts=[1.0, 1.0]), ValueError,

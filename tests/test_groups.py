@@ -147,3 +147,20 @@ def test_a_sub_communicator_starts_with_its_parents_settings(monkeypatch):
         assert plain == (None, False, False)
         assert half == group == (7.0, True, True)
         assert agreements >= 1 and got == rank
+
+
+def test_a_thread_a_rank_starts_has_no_default_communicator():
+    """In-process ranks are threads: a worker thread of a rank fell back to a world of one
+    rank and 'reduced' its own array alone (a silent wrong result); now it is named."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def rank_body():
+        x = np.array([pycoll.world().rank + 1.0])
+        with ThreadPoolExecutor(1) as pool:
+            with pytest.raises(RuntimeError, match="not a rank of the running pycoll.run_local"):
+                pool.submit(pycoll.allreduce, x).result()
+            comm = pycoll.world()  # taken on the rank's thread, then passed: right
+            return pool.submit(lambda: pycoll.allreduce(x, comm=comm)).result()
+
+    assert [r.tolist() for r in pycoll.run_local(3, rank_body)] == [[6.0]] * 3
+    assert pycoll.world().size == 1  # outside run_local: a world of one rank, as before

@@ -403,3 +403,52 @@ def test_one_shot_slot_views_are_kept_for_a_bounded_number_of_shapes(monkeypatch
     for totals, kept in run(3, body):
         assert totals == [3 * (n - 1) + 3 for n in range(1, 11)]
         assert kept <= 4
+
+
+def _memmap(x, tmp):
+    mapped = np.memmap(tmp / f"x{id(x)}", x.dtype, "w+", shape=x.shape)
+    mapped[...] = x
+    return mapped
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather",
+                                        "broadcast", "reduce"])
+def test_one_rank_passing_an_ndarray_subclass_takes_the_same_path(
+        monkeypatch, tmp_path, collective):
+    """Whether a small call goes through the one-shot slots must not depend on what may
+    differ between ranks: rank 0's np.memmap (what np.load(..., mmap_mode="r+") returns)
+    sent it down the schedules while the others waited in the slots (a hang under MPI,
+    CollectiveTimeout here)."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "20")
+    nranks, count = 3, 6
+    inputs = [np.arange(count, dtype=np.float64) + 10 * r for r in range(nranks)]
+
+    def call(rank):
+        x = inputs[rank].copy()
+        if rank == 0:
+            x = _memmap(x, tmp_path)
+        if collective == "broadcast":
+            return np.array(pycoll.broadcast(x, 1))
+        if collective == "reduce":
+            return np.array(pycoll.reduce(x, "sum", 1))
+        return np.array(getattr(pycoll, collective)(x))
+
+    results = run(nranks, call)
+    expected = {"allreduce": [oracle.allreduce(inputs, "sum")] * nranks,
+                "reduce_scatter": oracle.reduce_scatter(inputs, "sum"),
+                "allgather": [oracle.allgather(inputs)] * nranks,
+                "broadcast": [inputs[1]] * nranks}
+    if collective == "reduce":
+        np.testing.assert_array_equal(results[1], oracle.reduce(inputs, "sum", 1))
+    else:
+        for got, want in zip(results, expected[collective]):
+            np.testing.assert_array_equal(got, want)
+
+
+
+def test_a_mismatch_names_every_dtype_a_peer_may_pass():
+    """The one-shot's mismatch error names the peer's dtype from its number: bfloat16 read
+    "dtype number 256"."""
+    for dtype in ALL_DTYPES:
+        assert shm._dtype_name(shm._dtype_number(np.dtype(dtype))) == str(np.dtype(dtype))
