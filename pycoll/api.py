@@ -48,9 +48,7 @@ def allreduce(
                        stream=stream)
     comm = _comm(comm)
     known = None
-    if stream is None and algorithm == "auto" and isinstance(x, np.ndarray):
-        # a subclass (np.memmap) too: whether a call is one-shot must not depend on what
-        # differs between ranks (a rank left out would hang the others)
+    if stream is None and algorithm == "auto" and _host_ndarray(x):
         done = _one_shot_allreduce(x, op, out, comm)  # which remembers (dtype, op) itself
         if done is not None:
             return done
@@ -73,6 +71,13 @@ def allreduce(
             space.finish(out.reshape(-1), parsed, comm.size)
     _remember(comm, known, (parsed, call))
     return out
+
+
+def _host_ndarray(x: object) -> bool:
+    """Whether ``x`` is numpy memory the one-shot may read: a subclass too (np.memmap), since
+    whether a call is one-shot must not depend on what differs between ranks (a rank left
+    out would hang the others), but not a device space's ndarray subclass."""
+    return type(x) is np.ndarray or (isinstance(x, np.ndarray) and space_of(x) is HOST)
 
 
 def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
@@ -133,8 +138,8 @@ def _small_exchange(comm: Communicator, collective: Collective, x: Array, op: Re
     """For a small call on host arrays where every rank shares a node: every rank's ``x``
     (flat views of the shared slots, valid until this communicator's next small exchange),
     after the agreement check when it is on; None when the schedules serve the call."""
-    if algorithm != "auto" or stream is not None or not isinstance(x, np.ndarray):
-        return None  # (a subclass is served alike: every rank must choose the same)
+    if algorithm != "auto" or stream is not None or not _host_ndarray(x):
+        return None
     shared = comm.one_shot_for(collective)
     if shared is None or x.nbytes > min(shared.small_bytes, SMALL_EXCHANGE_BYTES):
         return None

@@ -180,13 +180,16 @@ def _command_line_ok(command: str, error: Exception | None) -> bool:
     return not bad
 
 
-def _writable(path: str | None, flag: str) -> None:
-    """Fail before measuring, not after: ``path`` ('-': stdout) must be writable."""
+def _writable(path: str | None, flag: str, makes_folders: bool = False) -> None:
+    """Fail before measuring, not after: ``path`` ('-': stdout) must be writable
+    (``makes_folders``: the writer creates missing folders, so the nearest existing one)."""
     if path is None or path == "-":
         return
     if not path:  # "" would name the current folder
         raise ValueError(f"{flag} '': an empty path; allowed: a file path, or - for stdout")
-    folder = os.path.dirname(path) or "."
+    folder = os.path.dirname(os.path.abspath(path))
+    while makes_folders and not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
     if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise ValueError(f"{flag} {path}: cannot write a file there")
 
@@ -397,7 +400,7 @@ def _tune(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-bytes={args.max_bytes!r} leaves {len(sizes)} size(s) of "
                              f"{tune.STEP_SIZES[:2]} to fit; allowed: {tune.STEP_SIZES[1]} "
                              "bytes or more")
-        _writable(args.output, "--output")  # before measuring, not after
+        _writable(args.output, "--output", makes_folders=True)  # before measuring
         tune.tune(Path(args.output) if args.output else None, args.repeats, sizes,
                   local_ranks, local_sizes=local)
     except (ValueError, OSError) as error:

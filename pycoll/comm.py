@@ -114,14 +114,21 @@ class Communicator:
                         f"default); this process has thread level {MPI.Query_thread()}"
                     )
             world = getattr(self.transport, "world", None)  # in-process only
-            rank_default = _default.comm  # in-process, the rank's: world() on its worker too
-            queue = AsyncQueue(world, getattr(self.transport, "world_rank", 0),
-                               on_start=lambda: setattr(_default, "comm", rank_default))
+            queue = AsyncQueue(world, getattr(self.transport, "world_rank", 0))
             if lane is None:
                 self.queue = queue
             else:
                 self.lanes[lane] = queue
-        return queue.submit(fn, what, *args, **kwargs)
+        rank_default = _default.comm  # in-process, the rank's: world() in the job is too
+
+        def job(*args: Any, **kwargs: Any) -> Any:
+            _default.comm = rank_default
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _default.comm = None
+
+        return queue.submit(job, what, *args, **kwargs)
 
     def drain(self, lane: tuple[str, int] | None = None) -> None:
         """Let the async work queued on ``lane`` (None: the collectives') finish first."""
@@ -798,7 +805,7 @@ class _ThreadDefault(threading.local):
 
 _default = _ThreadDefault()
 _process_world: Communicator | None = None
-_local_runs: list[int] = []  # the run_local calls under way (their rank counts)
+_local_runs: list[set] = []  # per run_local under way: the threads there before it began
 _local_runs_lock = threading.Lock()
 
 
@@ -811,8 +818,10 @@ def world() -> Communicator:
     comm = _default.comm
     if comm is not None:
         return comm
-    if _local_runs and not launched_by_mpi():
-        # a thread a rank started: a world of one rank here would silently reduce nothing
+    if any(threading.get_ident() not in before for before in _local_runs) and (
+            not launched_by_mpi()):
+        # a thread started while ranks run (by a rank, most likely): a world of one rank here
+        # would silently reduce nothing
         raise RuntimeError(
             f"pycoll.world() from thread {threading.current_thread().name!r}, which is not a "
             "rank of the running pycoll.run_local (its ranks are threads, and a rank's own "
@@ -880,10 +889,11 @@ def run_local(nranks: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
         finally:
             _default.comm = None
 
+    before = {thread.ident for thread in threading.enumerate()}  # not started by a rank
     with _local_runs_lock:
-        _local_runs.append(nranks)
+        _local_runs.append(before)
     try:
         return run_threads(nranks, body)
     finally:
         with _local_runs_lock:
-            _local_runs.remove(nranks)
+            _local_runs.remove(before)

@@ -72,7 +72,8 @@ class Estimate:
     nsegments: int
     seconds: float
     busbw: float
-    how: str  # "every rank" or "one rank, lockstep"
+    # "every rank's play", or beyond FULL_LIMIT "one rank for all" (where the two may differ)
+    how: str
 
 
 @functools.lru_cache(maxsize=4096)
@@ -100,7 +101,7 @@ def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: i
     nsegments, seconds = best
     factor = bus_factor(collective, nranks)
     busbw = nbytes / seconds / 1e9 * factor if seconds > 0 else 0.0
-    how = "one rank, lockstep" if lockstep else "every rank"
+    how = "one rank for all" if lockstep else "every rank's play"
     return Estimate(nranks, nbytes, family, nsegments, seconds, busbw, how)
 
 

@@ -81,10 +81,8 @@ class Posted(Work):
 class AsyncQueue:
     """One communicator's worker: async collectives run here, in call order."""
 
-    def __init__(self, world: Any = None, rank: int = 0,
-                 on_start: Callable[[], Any] | None = None):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pycoll-async",
-                                            initializer=on_start)
+    def __init__(self, world: Any = None, rank: int = 0):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pycoll-async")
         self._in_flight: list[Future] = []
         # In-process: the world learns when this worker is busy and when the rank's thread
         # blocks on it, so that its deadlock verdicts count every thread that could post.

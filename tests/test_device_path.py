@@ -925,3 +925,26 @@ def test_a_pairs_sends_and_receives_on_two_streams_do_not_race(seed):
         assert pycoll.run_local(2, body) == [[1.0, 2.0], [5.0]]
     finally:
         spaces.unregister(device)
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "allgather"])
+def test_a_device_array_is_not_taken_for_host_memory_by_the_one_shot(device, monkeypatch,
+                                                                       collective):
+    """The stand-in's arrays subclass numpy's; the shared-memory one-shot, which serves host
+    arrays of any ndarray type, must leave them to their device (it read their memory before
+    the stream had filled it, and returned a host array)."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    inputs = [np.arange(5, dtype=np.float32) + 10 * r for r in range(2)]
+
+    def call(rank):
+        y = device.empty((5,), np.float32)
+        device.copy(y, device_array(inputs[rank]))  # y is right once the stream has run
+        assert pycoll.world().one_shot_for(Collective.ALLREDUCE) is not None
+        result = getattr(pycoll, collective)(y)
+        assert type(result) is type(y)
+        return result
+
+    expected = (oracle.allreduce(inputs, "sum") if collective == "allreduce"
+                else oracle.allgather(inputs))
+    for got in on_device(device, 2, call):
+        np.testing.assert_array_equal(got, expected)

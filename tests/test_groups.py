@@ -164,3 +164,24 @@ def test_a_thread_a_rank_starts_has_no_default_communicator():
 
     assert [r.tolist() for r in pycoll.run_local(3, rank_body)] == [[6.0]] * 3
     assert pycoll.world().size == 1  # outside run_local: a world of one rank, as before
+
+
+def test_a_thread_there_before_run_local_keeps_its_world_of_one():
+    """Only threads started while ranks run are refused: the main thread, calling while a
+    run_local goes on in the background, still has its world of one rank."""
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    def rank_body():
+        inside.set()
+        release.wait(30)
+
+    background = threading.Thread(target=pycoll.run_local, args=(2, rank_body))
+    background.start()
+    try:
+        assert inside.wait(30)
+        assert pycoll.allreduce(np.ones(2)).tolist() == [1.0, 1.0]
+    finally:
+        release.set()
+        background.join(30)

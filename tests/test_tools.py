@@ -105,6 +105,10 @@ def test_tune_refuses_an_unwritable_output_before_measuring(tmp_path, capsys, mo
     monkeypatch.setattr(tune, "tune", lambda *args, **kwargs: pytest.fail("measured"))
     assert main(["tune", "--output", str(tmp_path), "--repeats", "1"]) == 2
     assert f"--output {tmp_path}: cannot write a file there" in capsys.readouterr().err
+    measured = []  # a folder tune would create is fine
+    monkeypatch.setattr(tune, "tune", lambda *args, **kwargs: measured.append(args[0]))
+    assert main(["tune", "--output", str(tmp_path / "new" / "t.json"), "--repeats", "1"]) == 0
+    assert measured == [tmp_path / "new" / "t.json"]
 
 
 def test_a_tuning_file_keeps_the_fits_of_other_rank_counts(tmp_path):
