@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, replace
 
 from pycoll import model
-from pycoll.algorithms import families_for, node_aware
+from pycoll.algorithms import FAMILIES, families_for, node_aware
 from pycoll.schedule import ROOTED, Collective
 
 ALGO_ENV = "PYCOLL_ALGO"
@@ -101,6 +101,7 @@ def forced_algorithm(collective: Collective) -> str | None:
     if not text:
         return None
     forced = None
+    seen: set[str] = set()
     for part in text.split(","):
         part = part.strip()
         name, _, family = part.rpartition(":")
@@ -111,6 +112,13 @@ def forced_algorithm(collective: Collective) -> str | None:
             )
         if not family:
             raise ValueError(f"{ALGO_ENV}={text!r}: empty family in {part!r}")
+        if family not in FAMILIES:  # (alltoall, which has one family, ignored a typo)
+            raise ValueError(f"{ALGO_ENV}={text!r}: {family!r} is not an algorithm family; "
+                             f"allowed: {', '.join(FAMILIES)}")
+        if name in seen:  # which one would win is no choice a user made
+            raise ValueError(f"{ALGO_ENV}={text!r} names {name or 'the default'} twice; "
+                             "allowed: once")
+        seen.add(name)
         if name and families_for(Collective(name)) == ["direct"] and family != "direct":
             # the bare form forces collectives that have a choice; this one has none
             raise ValueError(f"{ALGO_ENV}={text!r} forces {family!r} for {name}, which it "

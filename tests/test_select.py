@@ -78,6 +78,20 @@ def test_a_forced_family_that_cannot_serve_the_call_names_the_variable(monkeypat
             pycoll.run_local(2, call)
 
 
+@pytest.mark.parametrize("value,message", [
+    ("bogus", "'bogus' is not an algorithm family; allowed: ring, tree"),
+    ("allreduce:ring,allreduce:tree", "names allreduce twice; allowed: once"),
+    ("ring,tree", "names the default twice"),
+])
+def test_pycoll_algo_names_a_typo_or_a_repeat_for_every_collective(monkeypatch, value, message):
+    """AllToAll, which has one family, ignored a bare typo that every other collective
+    refused; of two entries for one collective the first silently won."""
+    monkeypatch.setenv(select.ALGO_ENV, value)
+    for call in (lambda: pycoll.alltoall(np.arange(4)), lambda: pycoll.allreduce(np.arange(4))):
+        with pytest.raises(ValueError, match=message):
+            pycoll.run_local(2, call)
+
+
 def test_calls_run_what_the_plan_says(monkeypatch, caplog):
     monkeypatch.setattr(select, "DEBUG", True)
     monkeypatch.setenv(select.ALGO_ENV, "allreduce:tree")
