@@ -343,6 +343,10 @@ class SharedMemoryTransport:
         pending = [r for r in requests if not r.done_]
         idle = 0
         self._deadline = float("inf") if self.timeout is None else time.monotonic() + self.timeout
+
+        def crossed() -> None:
+            self._not_gone_to_a_one_shot(pending)
+
         while pending:
             progressed = False
             for r in pending:
@@ -352,16 +356,38 @@ class SharedMemoryTransport:
             if progressed:
                 idle = 0
             elif pending:
-                idle = self._idle(idle, {r.peer for r in pending})
+                idle = self._idle(idle, {r.peer for r in pending}, crossed)
+
+    def _not_gone_to_a_one_shot(self, pending: list) -> None:
+        """Ranks that disagree on a call's size can take different channels (sizes on both
+        sides of the one-shot limit): a peer in a later one-shot call (its flag past this
+        rank's) has finished the call this rank waits in, so a message still to come from it,
+        or still to go to it, will never move."""
+        flag = self._layout.small_flag
+        for r in pending:
+            control = self._control[r.peer]
+            sending = type(r) is _Send
+            if control[flag] > self._small_seq and (
+                    sending or int(control[self._head_word]) == self._tails[r.peer]):
+                raise ValueError(
+                    f"rank {self.rank} waits in the rings to {'send' if sending else 'receive'} "
+                    f"{r.total} bytes {'to' if sending else 'from'} rank "
+                    f"{self.local[r.peer]}, which has gone on to a small call through the "
+                    "one-shot slots; the ranks disagree on the call (every rank must pass the "
+                    "same count and dtype)")
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
 
-    def _idle(self, idle: int, peers: Any = ()) -> int:
-        """One more poll that found nothing; ``peers``: the local ranks (indices) awaited."""
+    def _idle(self, idle: int, peers: Any = (), crossed: Callable[[], None] | None = None
+              ) -> int:
+        """One more poll that found nothing; ``peers``: the local ranks (indices) awaited;
+        ``crossed``: now and then, raises if those peers are in the other channel."""
         idle += 1
         if idle > self._spins:
             if idle & 1023 == 0:
+                if crossed is not None:
+                    crossed()
                 if self._check is not None:
                     self._check([self.local[i] for i in peers])
                 if time.monotonic() > self._deadline:
@@ -550,8 +576,19 @@ class SharedMemoryTransport:
         for i, control in self._peer_controls:
             if control[flag] < seq:
                 idle = 0
+
+                def crossed(i: int = i, control: np.ndarray = control) -> None:
+                    # a peer behind this call with a message in the rings for this rank
+                    # (which finished every call before): it took the rings for this one
+                    if int(control[self._head_word]) != self._tails[i]:
+                        raise ValueError(
+                            f"{collective}: rank {self.rank} passed {x.size} elements of "
+                            f"{x.dtype} (a small call, through the one-shot slots) but rank "
+                            f"{self.local[i]} sends it a message through the rings; every "
+                            "rank must pass the same count and dtype")
+
                 while control[flag] < seq:
-                    idle = self._idle(idle, (i,))
+                    idle = self._idle(idle, (i,), crossed)
         self._fence()
         self._small_seq = seq  # published, so spent even when the ranks disagree below
         for i, control in self._peer_controls:

@@ -452,3 +452,23 @@ def test_a_mismatch_names_every_dtype_a_peer_may_pass():
     "dtype number 256"."""
     for dtype in ALL_DTYPES:
         assert shm._dtype_name(shm._dtype_number(np.dtype(dtype))) == str(np.dtype(dtype))
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "broadcast", "reduce_scatter"])
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_sizes_on_both_sides_of_the_one_shot_limit_are_named(monkeypatch, collective, nranks):
+    """Ranks that disagree on a size, with one size above the one-shot limit and one below,
+    took different channels and waited forever (the slots on one side, the rings on the
+    other); now the channel that sees the other's traffic names the disagreement."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "30")  # a regression fails, not hangs
+
+    def call(rank):
+        big = 2 * max(shm.SMALL_BYTES, 64 << 10) // 8 // nranks * nranks
+        x = np.ones(big if rank == 0 else nranks, np.float64)
+        if collective == "broadcast":
+            return pycoll.broadcast(x, 0)
+        return getattr(pycoll, collective)(x)
+
+    with pytest.raises(ValueError, match="every rank must pass the same count and dtype"):
+        run(nranks, call)
