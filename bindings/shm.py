@@ -366,15 +366,21 @@ class SharedMemoryTransport:
         flag = self._layout.small_flag
         for r in pending:
             control = self._control[r.peer]
+            if control[flag] <= self._small_seq:
+                continue
+            self._fence()  # then what the peer wrote before its flag: its head, its tail
             sending = type(r) is _Send
-            if control[flag] > self._small_seq and (
-                    sending or int(control[self._head_word]) == self._tails[r.peer]):
-                raise ValueError(
-                    f"rank {self.rank} waits in the rings to {'send' if sending else 'receive'} "
-                    f"{r.total} bytes {'to' if sending else 'from'} rank "
-                    f"{self.local[r.peer]}, which has gone on to a small call through the "
-                    "one-shot slots; the ranks disagree on the call (every rank must pass the "
-                    "same count and dtype)")
+            if sending:
+                if self._push(r) or r.done_:  # its reader finished just now
+                    continue
+            elif int(control[self._head_word]) != self._tails[r.peer]:
+                continue  # data to read first
+            raise ValueError(
+                f"rank {self.rank} waits in the rings to {'send' if sending else 'receive'} "
+                f"{r.total} bytes {'to' if sending else 'from'} rank "
+                f"{self.local[r.peer]}, which has gone on to a small call through the "
+                "one-shot slots; the ranks disagree on the call (every rank must pass the "
+                "same count and dtype)")
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
@@ -579,8 +585,13 @@ class SharedMemoryTransport:
 
                 def crossed(i: int = i, control: np.ndarray = control) -> None:
                     # a peer behind this call with a message in the rings for this rank
-                    # (which finished every call before): it took the rings for this one
-                    if int(control[self._head_word]) != self._tails[i]:
+                    # (which finished every call before): it took the rings for this one;
+                    # unless it has just published (then pushed a later call's message)
+                    if int(control[self._head_word]) == self._tails[i]:
+                        return
+                    self._fence()
+                    if control[flag] < seq:
+                        self._small_seq = seq  # published: spent, as below
                         raise ValueError(
                             f"{collective}: rank {self.rank} passed {x.size} elements of "
                             f"{x.dtype} (a small call, through the one-shot slots) but rank "

@@ -472,3 +472,86 @@ def test_sizes_on_both_sides_of_the_one_shot_limit_are_named(monkeypatch, collec
 
     with pytest.raises(ValueError, match="every rank must pass the same count and dtype"):
         run(nranks, call)
+
+
+class _PlainSegments:
+    """Two ranks' segments as plain arrays, driven from one thread."""
+
+    def __init__(self, segments):
+        self.segments = segments
+
+    def fence(self):
+        pass
+
+    def barrier(self):
+        pass
+
+
+def _two_endpoints():
+    nbytes = shm.segment_bytes(2, 1 << 16, 4096)
+    raw = [np.zeros(nbytes, np.uint8) for _ in range(2)]
+    a, b = (shm.SharedMemoryTransport(_PlainSegments(raw), r, 2, [0, 1], 1 << 16, 4096)
+            for r in (0, 1))
+    a.connect()
+    b.connect()
+    a._spins = b._spins = 0  # every idle poll counts: the check comes at once
+    return a, b
+
+
+def _peer_moves_before_the_check(a, action):
+    """Run ``action`` (the peer's steps) inside a's idle poll that is about to check the
+    other channel: the peer scheduled between a's last poll and its check."""
+    real, done = a._idle, []
+
+    def idle(count, peers=(), crossed=None):
+        if (count + 1) & 1023 == 0 and not done:
+            done.append(action())
+        return real(count, peers, crossed)
+
+    a._idle = idle
+
+
+def test_a_peer_that_publishes_then_sends_is_no_disagreement():
+    """Both ranks: a one-shot call, then a ring call whose first message the peer pushes
+    eagerly. If the peer does both between this rank's last look at its flag and the check,
+    its ring message is of the next call, not a rank in the wrong channel (a false alarm a
+    review found)."""
+    a, b = _two_endpoints()
+
+    def peer():
+        b.publish_small(np.ones(1), "allreduce")  # sees a's flag: returns at once
+        b.isend(np.ones(1000), 0, 7)  # the next call's first message
+
+    _peer_moves_before_the_check(a, peer)
+    slots = a.publish_small(np.ones(1), "allreduce")
+    assert [s.tolist() for s in slots] == [[1.0], [1.0]]
+
+
+def test_a_send_read_in_place_just_as_the_peer_moves_on_is_no_disagreement():
+    """A message the peer reads from this rank's memory is done when this rank sees the
+    peer's tail; the peer may read it, publish its tail, and enter a one-shot call before
+    this rank looks again (a false alarm a review found)."""
+    import threading
+
+    a, b = _two_endpoints()
+    if not b._readable[0]:
+        pytest.skip("cross-memory attach (process_vm_readv) is not permitted here")
+    a._read_by[1] = True  # what connect finds when both connect together (here one by one)
+    send = a.isend(np.ones(1 << 14), 1, 7)
+    assert send.window == shm._FROM_PROCESS
+
+    one_shot = threading.Thread(target=lambda: b.publish_small(np.ones(1), "allreduce"),
+                                daemon=True)
+
+    def peer():
+        b.waitall([b.irecv(np.empty(1 << 14), 0, 7)])
+        one_shot.start()
+        while b._my_control[b._layout.small_flag] < 1:
+            pass
+
+    _peer_moves_before_the_check(a, peer)
+    a.waitall([send])
+    assert send.done_
+    a.publish_small(np.ones(1), "allreduce")  # the one-shot call the peer waits in
+    one_shot.join(30)
+    assert not one_shot.is_alive()
