@@ -343,19 +343,19 @@ class SharedMemoryTransport:
         pending = [r for r in requests if not r.done_]
         idle = 0
         self._deadline = float("inf") if self.timeout is None else time.monotonic() + self.timeout
-
-        def crossed() -> None:
-            self._not_gone_to_a_one_shot(pending)
-
+        crossed = None  # made at the first idle poll: most waits never poll idly
         while pending:
             progressed = False
             for r in pending:
                 if (self._pull(r) if type(r) is _Recv else self._push(r)):
                     progressed = True
-            pending = [r for r in pending if not r.done_]
+            pending[:] = [r for r in pending if not r.done_]  # in place: crossed reads it
             if progressed:
                 idle = 0
             elif pending:
+                if crossed is None:
+                    def crossed(pending: list = pending) -> None:
+                        self._not_gone_to_a_one_shot(pending)
                 idle = self._idle(idle, {r.peer for r in pending}, crossed)
 
     def _not_gone_to_a_one_shot(self, pending: list) -> None:
