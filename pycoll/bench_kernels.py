@@ -30,14 +30,16 @@ fails (to compile, say) gives a row with ``error`` set, and the others still run
 
 from __future__ import annotations
 
+import csv
+import dataclasses
 import functools
+import io
 import itertools
 import json
 import math
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
 import numpy as np
@@ -55,6 +57,8 @@ BUFFERS_PER_SET = SOURCES + 1  # reduce_n's sources and dst; the other calls use
 L2_MULTIPLE = 2
 # Below about 1 MiB per operand the count would grow without bound (and launches dominate).
 MAX_BUFFER_SETS = 64
+BATCH = 10  # launches per timed batch (-n)
+WARMUP = 1  # untimed launches before timing a kernel (-w); the first compiles
 
 # Busy-waits `cycles` GPU clocks; clock64() is volatile, so the loop is kept.
 SPIN_SOURCE = r"""
@@ -69,7 +73,7 @@ SPIN_MIN_CYCLES = 4_000_000  # about 2 ms
 SPIN_MAX_CYCLES = 1 << 28  # about 0.15 s: the doubling in _timer stops here
 
 
-@dataclass
+@dataclasses.dataclass
 class KernelRow:
     size: int  # bytes of one operand
     dtype: str
@@ -122,9 +126,12 @@ class _Spin:
         return True
 
 
-def _timer(cupy: Any, call: Callable[[], None], repeats: int, batch: int, spin: _Spin) -> float:
-    """Median over ``repeats`` of the mean time of ``batch`` back-to-back launches (s)."""
-    call()  # compile and warm up
+def _timer(cupy: Any, call: Callable[[], None], repeats: int, batch: int, spin: _Spin,
+           warmup: int = 1) -> float:
+    """Median over ``repeats`` of the mean time of ``batch`` back-to-back launches (s), after
+    ``warmup`` untimed launches (the first compiles)."""
+    for _ in range(warmup):
+        call()
     cupy.cuda.get_current_stream().synchronize()
     samples: list[float] = []
     while len(samples) < repeats:
@@ -145,15 +152,19 @@ def _timer(cupy: Any, call: Callable[[], None], repeats: int, batch: int, spin: 
 
 
 def run(sizes: list[int], dtypes: list[str], backends: list[str], op: str = "sum",
-        repeats: int = 5, batch: int = 10,
+        repeats: int = 5, batch: int = BATCH, warmup: int = WARMUP,
         on_row: Callable[[KernelRow], None] | None = None) -> list[KernelRow]:
-    """Measure every kernel of every backend at every size (bytes per operand) and dtype.
+    """Measure every kernel of every backend at every size (bytes per operand) and dtype:
+    the median of ``repeats`` timings of ``batch`` launches, after ``warmup`` untimed ones.
 
     ``on_row`` is called with each row as soon as it is measured; all rows are returned.
     """
     from pycoll.kernels.device import kernel_backend
 
-    # Refuse a bad op, dtype or backend before measuring anything.
+    # Refuse a bad op, dtype, backend or count before measuring anything.
+    if repeats < 1 or batch < 1 or warmup < 0:
+        raise ValueError(f"-n={batch} (launches per timed batch), -w={warmup} (launches before "
+                         f"timing), repeats={repeats}; allowed: -n >= 1, -w >= 0, repeats >= 1")
     reduce_op = ReduceOp.parse(op)
     checked = [table.gpu_dtype(name).dtype for name in dtypes]
     backends = [kernel_backend(b) for b in backends]
@@ -179,7 +190,7 @@ def run(sizes: list[int], dtypes: list[str], backends: list[str], op: str = "sum
             n = max(size // dtype.itemsize, 1)
             try:
                 _measure(cupy, dtype, n, backends, reduce_op, repeats, batch, spin, l2_bytes,
-                         emit)
+                         emit, warmup)
             except Exception as error:  # the buffers or the copy baseline (out of memory, a
                 # fill CuPy refuses): that size's copy row says so, and the other sizes still run
                 emit(KernelRow(n * dtype.itemsize, dtype.name, "copy", "cuda", math.nan,
@@ -195,7 +206,7 @@ def _l2_bytes(cupy: Any) -> int:
 
 def _measure(cupy: Any, dtype: np.dtype, n: int, backends: list[str], op: ReduceOp,
              repeats: int, batch: int, spin: _Spin, l2_bytes: int,
-             emit: Callable[[KernelRow], None]) -> None:
+             emit: Callable[[KernelRow], None], warmup: int = WARMUP) -> None:
     from pycoll.kernels.device import gpu_kernels
 
     nbytes = n * dtype.itemsize
@@ -207,7 +218,7 @@ def _measure(cupy: Any, dtype: np.dtype, n: int, backends: list[str], op: Reduce
 
     def timed(kernel: Callable[..., None]) -> float:
         # Each launch takes the next set: (a, b, c, s2, s3), dst c.
-        return _timer(cupy, lambda: kernel(*next(rotation)), repeats, batch, spin)
+        return _timer(cupy, lambda: kernel(*next(rotation)), repeats, batch, spin, warmup)
 
     def copy(a: Any, b: Any, c: Any, *extra: Any) -> None:
         cupy.cuda.runtime.memcpyAsync(c.data.ptr, a.data.ptr, nbytes,
@@ -284,7 +295,7 @@ def format_table(rows: list[KernelRow]) -> str:
 
 
 def _record(r: KernelRow) -> dict[str, Any]:
-    record = asdict(r)
+    record = dataclasses.asdict(r)
     if r.error is None:
         del record["error"]  # measured rows keep the fields they always had
     else:
@@ -299,11 +310,23 @@ def write_json(rows: list[KernelRow], path: str) -> None:
     write_whole(json.dumps([_record(r) for r in rows], indent=1) + "\n", path)
 
 
-def stream_rows(json_path: str | None = None,
+def write_csv(rows: list[KernelRow], path: str) -> None:
+    """Write the rows as CSV to ``path`` ('-': stdout); an unmeasured row's numbers are empty."""
+    from pycoll.bench import write_whole
+
+    names = [field.name for field in dataclasses.fields(KernelRow)]
+    text = io.StringIO()
+    writer = csv.DictWriter(text, names, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(_record(r) for r in rows)
+    write_whole(text.getvalue(), path)
+
+
+def stream_rows(json_path: str | None = None, csv_path: str | None = None,
                 out: TextIO | None = None) -> Callable[[KernelRow], None]:
     """An ``on_row`` for ``run``: prints each row to ``out`` (default: stdout; the header
-    first) and rewrites the JSON file with every row so far, so a killed run keeps them
-    (not for '-', stdout: that is written once, at the end, by the caller)."""
+    first) and rewrites the JSON and CSV files with every row so far, so a killed run keeps
+    them (not for '-', stdout: that is written once, at the end, by the caller)."""
     rows: list[KernelRow] = []
 
     def on_row(row: KernelRow) -> None:
@@ -314,5 +337,7 @@ def stream_rows(json_path: str | None = None,
         print(format_row(row), file=stream, flush=True)
         if json_path and json_path != "-":
             write_json(rows, json_path)
+        if csv_path and csv_path != "-":
+            write_csv(rows, csv_path)
 
     return on_row

@@ -8,6 +8,15 @@ import sys
 
 from pycoll.algorithms import FAMILIES
 
+KERNEL_BACKENDS = "cupy,numba"  # `pycoll bench kernels --backend`'s default
+# `pycoll bench`'s flags for collectives between ranks, with their defaults: refused by
+# `bench kernels`, which would ignore them.
+COLLECTIVE_ONLY_FLAGS = (
+    ("-c", "check", 1), ("-r", "root", 0), ("--algorithm", "algorithm", "auto"),
+    ("--against", "against", None), ("--ranks", "ranks", None), ("--device", "device", "host"),
+    ("--roofline", "roofline", False),
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -38,8 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("-b", "--min-bytes", default="8", help="smallest size (default 8)")
     bench.add_argument("-e", "--max-bytes", default="32M", help="largest size (default 32M)")
     bench.add_argument("-f", "--step-factor", type=int, default=2, help="size multiplier")
-    bench.add_argument("-n", "--iters", type=int, default=20, help="timed iterations")
-    bench.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations")
+    bench.add_argument("-n", "--iters", type=int,
+                       help="timed iterations (default 20; kernels: launches per timed batch, "
+                            "default 10)")
+    bench.add_argument("-w", "--warmup", type=int,
+                       help="untimed iterations (default 5; kernels: launches before timing "
+                            "each kernel, default 1)")
     bench.add_argument("-c", "--check", type=int, default=1, help="1: count #wrong; 0: skip")
     bench.add_argument("-d", "--dtype", default="float32", type=_dtype_name)
     bench.add_argument("-o", "--op", default="sum")
@@ -53,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                        "CuPy arrays on the GPU (default host)")
     bench.add_argument("--roofline", action="store_true",
                        help="also report each row as a percentage of the node's memory roofline")
-    bench.add_argument("--backend", default="cupy,numba",
+    bench.add_argument("--backend", default=KERNEL_BACKENDS,
                        help="kernels only: comma-separated GPU kernel backends")
     bench.add_argument("--json", metavar="PATH", help="write rows as JSON ('-' for stdout)")
     bench.add_argument("--csv", metavar="PATH", help="write rows as CSV ('-' for stdout)")
@@ -194,6 +207,14 @@ def _writable(path: str | None, flag: str, makes_folders: bool = False) -> None:
         raise ValueError(f"{flag} {path}: cannot write a file there")
 
 
+def _outputs(json_path: str | None, csv_path: str | None) -> None:
+    _writable(json_path, "--json")
+    _writable(csv_path, "--csv")
+    if json_path is not None and json_path == csv_path:  # one would overwrite the other
+        raise ValueError(f"--json {json_path} --csv {csv_path}: the same destination; "
+                         "allowed: different files, or - for one of them")
+
+
 def _bench(args: argparse.Namespace) -> int:
     import pycoll
     from pycoll import bench
@@ -212,8 +233,8 @@ def _bench(args: argparse.Namespace) -> int:
             min_bytes=bench.parse_size(args.min_bytes),
             max_bytes=bench.parse_size(args.max_bytes),
             step_factor=args.step_factor,
-            iters=args.iters,
-            warmup=args.warmup,
+            iters=bench.Options.iters if args.iters is None else args.iters,
+            warmup=bench.Options.warmup if args.warmup is None else args.warmup,
             check=bool(args.check),
             dtype=args.dtype,
             op=_op_name(args.op),
@@ -224,12 +245,11 @@ def _bench(args: argparse.Namespace) -> int:
             roofline=args.roofline,
         )
         bench.validate(options)
+        if args.backend != KERNEL_BACKENDS:
+            raise ValueError(f"--backend={args.backend!r} is for `pycoll bench kernels` only; "
+                             f"collective={args.collective!r} runs on --device")
         _ranks_flag(args.ranks)
-        _writable(args.json, "--json")
-        _writable(args.csv, "--csv")
-        if args.json is not None and args.json == args.csv:  # one would overwrite the other
-            raise ValueError(f"--json {args.json} --csv {args.csv}: the same destination; "
-                             "allowed: different files, or - for one of them")
+        _outputs(args.json, args.csv)
         if args.ranks is not None and args.against:
             raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
     except (ValueError, TypeError, RuntimeError) as error:
@@ -413,18 +433,31 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     from pycoll import bench, bench_kernels
 
     try:
+        for flag, name, default in COLLECTIVE_ONLY_FLAGS:
+            if getattr(args, name) != default:
+                raise ValueError(
+                    f"{flag}={getattr(args, name)!r} does not apply to kernels (one process, "
+                    "the GPU's kernels alone); allowed: -b -e -f -n -w -d -o --backend --json "
+                    "--csv")
+        _outputs(args.json, args.csv)
         sizes = bench.sizes(bench.parse_size(args.min_bytes), bench.parse_size(args.max_bytes),
                             args.step_factor)
         dtypes = [bench.dtype_name(d.strip()) for d in args.dtype.split(",") if d.strip()]
         backends = [b.strip() for b in args.backend.split(",") if b.strip()]
         # Each row is printed (and the JSON rewritten) as measured: a killed run keeps them.
-        rows = bench_kernels.run(sizes, dtypes, backends, args.op,
-                                 on_row=bench_kernels.stream_rows(args.json))
+        counts = {"batch": args.iters, "warmup": args.warmup}
+        rows = bench_kernels.run(
+            sizes, dtypes, backends, args.op,
+            **{name: value for name, value in counts.items() if value is not None},
+            on_row=bench_kernels.stream_rows(
+                args.json, args.csv, out=sys.stderr if "-" in (args.json, args.csv) else None))
     except (ValueError, TypeError, RuntimeError) as error:
         print(f"pycoll bench kernels: {error}", file=sys.stderr)
         return 2
     if args.json == "-":
         bench_kernels.write_json(rows, "-")
+    if args.csv == "-":
+        bench_kernels.write_csv(rows, "-")
     failed = sorted({f"{r.kernel}/{r.backend}" for r in rows if r.error is not None})
     if failed:
         print(f"pycoll bench kernels: failed: {', '.join(failed)}", file=sys.stderr)

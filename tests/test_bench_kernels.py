@@ -269,7 +269,7 @@ def test_a_failing_kernel_is_a_row_and_the_rest_still_run(monkeypatch):
     launches: list[tuple[str, int]] = []
     calls_per_timing = 7
 
-    def fake_timer(cupy, call, repeats, batch, spin):
+    def fake_timer(cupy, call, repeats, batch, spin, warmup):
         for _ in range(calls_per_timing):
             call()
         return 1e-3
@@ -327,7 +327,7 @@ def test_one_set_when_a_call_outgrows_twice_the_l2(monkeypatch):
 
     launches: list[tuple[str, int]] = []
     monkeypatch.setattr(bench_kernels, "_timer",
-                        lambda cupy, call, repeats, batch, spin: (call(), call(), 1e-3)[-1])
+                        lambda cupy, call, repeats, batch, spin, warmup: (call(), call(), 1e-3)[-1])
     monkeypatch.setattr(device, "gpu_kernels", lambda backend: FakeKernels(backend, launches))
     bench_kernels._measure(_fake_cupy(launches), np.dtype(np.float32), 1024, ["cupy"],
                            ReduceOp.SUM, 5, 10, None, 4096 - 1, lambda row: None)
@@ -362,7 +362,7 @@ def test_rows_are_printed_and_saved_as_they_are_measured(fake_gpu, monkeypatch, 
     out = tmp_path / "kernels.json"
     seen: list[tuple[str, list]] = []
 
-    def fake_measure(cupy, dtype, n, backends, op, repeats, batch, spin, l2, emit):
+    def fake_measure(cupy, dtype, n, backends, op, repeats, batch, spin, l2, emit, warmup):
         nbytes = n * dtype.itemsize
         if nbytes > MiB:
             raise KeyboardInterrupt  # as if the step's timeout killed the run here
@@ -399,7 +399,7 @@ def test_rows_are_printed_and_saved_as_they_are_measured(fake_gpu, monkeypatch, 
 def test_a_failed_kernel_fails_the_run_after_the_rest(fake_gpu, monkeypatch, capsys):
     sizes: list[int] = []
 
-    def fake_measure(cupy, dtype, n, backends, op, repeats, batch, spin, l2, emit):
+    def fake_measure(cupy, dtype, n, backends, op, repeats, batch, spin, l2, emit, warmup):
         sizes.append(n * dtype.itemsize)
         for row in _rows_for(n * dtype.itemsize):
             emit(row)
@@ -409,9 +409,9 @@ def test_a_failed_kernel_fails_the_run_after_the_rest(fake_gpu, monkeypatch, cap
     assert sizes == [MiB, 4 * MiB]
     captured = capsys.readouterr()
     assert "pycoll bench kernels: failed: reduce_n/numba" in captured.err
-    table, _, text = captured.out.partition("\n[")
-    assert table.count("error: CompileException") == 2
-    assert len(json.loads("[" + text)) == 4  # --json -: once, at the end
+    # --json -: stdout is the JSON's alone, written once, at the end; the table goes to stderr
+    assert captured.err.count("error: CompileException") == 2
+    assert len(json.loads(captured.out)) == 4
 
 
 def test_bad_dtype_or_backend_is_refused_before_anything_is_measured(fake_gpu, monkeypatch,
@@ -422,6 +422,61 @@ def test_bad_dtype_or_backend_is_refused_before_anything_is_measured(fake_gpu, m
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "complex64" in captured.err and "opencl" in captured.err
+
+
+@pytest.mark.parametrize("flag", [["--ranks", "2"], ["-c", "0"], ["-r", "1"],
+                                  ["--algorithm", "ring"], ["--against", "mpi"],
+                                  ["--device", "cuda"], ["--roofline"]])
+def test_a_flag_for_collectives_is_refused_not_ignored(fake_gpu, monkeypatch, capsys, flag):
+    monkeypatch.setattr(bench_kernels, "_measure", lambda *args: pytest.fail("measured"))
+    assert main(["bench", "kernels", "-b", "1M", "-e", "1M", *flag]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"pycoll bench kernels: {flag[0]}=" in captured.err
+    assert "does not apply to kernels" in captured.err
+
+
+def test_the_kernels_backend_flag_is_refused_for_a_collective(capsys):
+    assert main(["bench", "allreduce", "-e", "8", "--ranks", "1", "--backend", "numba"]) == 2
+    assert "--backend='numba' is for `pycoll bench kernels` only" in capsys.readouterr().err
+
+
+def test_iterations_warmup_and_csv_reach_the_kernel_run(fake_gpu, monkeypatch, capsys,
+                                                        tmp_path):
+    counts: list[tuple[int, int]] = []
+
+    def fake_measure(cupy, dtype, n, backends, op, repeats, batch, spin, l2, emit, warmup):
+        counts.append((batch, warmup))
+        for row in _rows_for(n * dtype.itemsize):
+            emit(row)
+
+    monkeypatch.setattr(bench_kernels, "_measure", fake_measure)
+    out = tmp_path / "kernels.csv"
+    main(["bench", "kernels", "-b", "1M", "-e", "1M", "--csv", str(out)])
+    capsys.readouterr()
+    main(["bench", "kernels", "-b", "1M", "-e", "1M", "-n", "3", "-w", "0", "--csv", "-"])
+    assert counts == [(bench_kernels.BATCH, bench_kernels.WARMUP), (3, 0)]
+    assert main(["bench", "kernels", "-b", "1M", "-e", "1M", "-n", "0"]) == 2
+    assert counts == [(bench_kernels.BATCH, bench_kernels.WARMUP), (3, 0)]
+
+    expected = [
+        "size,dtype,kernel,backend,time_us,bandwidth,of_copy,vs_cupy_add,error",
+        f"{MiB},float32,copy,cuda,10.0,200.0,1.0,,",
+        f'{MiB},float32,reduce_n,numba,,,,,"CompileException: reduce.cu(1): error: no',
+        'second line"',
+    ]
+    assert out.read_text().splitlines() == expected
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == expected  # --csv -: stdout is the CSV's alone
+    assert "-n=0 (launches per timed batch)" in captured.err
+
+
+def test_warmup_launches_precede_the_timed_batches():
+    fake = TimingCupy(caught_up=[False], elapsed_ms=[1.0])
+    spin = bench_kernels._Spin(fake, batch=2)
+    bench_kernels._timer(fake, lambda: fake.log.append("call"), 1, 2, spin, warmup=3)
+    assert fake.log == ["spin 0", "call", "call", "call", "sync",
+                        f"spin {spin.cycles}", "start", "call", "call", "stop"]
 
 
 def test_a_spin_kernel_that_does_not_compile_stops_the_run_plainly(fake_gpu, monkeypatch,
@@ -443,7 +498,7 @@ def test_a_size_whose_buffers_fail_is_a_row_and_the_other_sizes_still_run(fake_g
     a fill CuPy refuses) is that size's copy row; the run goes on, and fails at the end."""
     measured: list[tuple[str, int]] = []
 
-    def fake_measure(cupy, dtype, n, backends, op, repeats, batch, spin, l2, emit):
+    def fake_measure(cupy, dtype, n, backends, op, repeats, batch, spin, l2, emit, warmup):
         nbytes = n * dtype.itemsize
         if dtype.name == "bfloat16" and nbytes == 4 * MiB:
             raise MemoryError("Out of memory allocating 4,194,304 bytes")
@@ -457,7 +512,7 @@ def test_a_size_whose_buffers_fail_is_a_row_and_the_other_sizes_still_run(fake_g
                         ("bfloat16", MiB), ("bfloat16", 16 * MiB)]
     captured = capsys.readouterr()
     assert "pycoll bench kernels: failed: copy/cuda" in captured.err
-    rows = json.loads("[" + captured.out.partition("\n[")[2])
+    rows = json.loads(captured.out)
     [failed] = [r for r in rows if "error" in r]
     assert (failed["size"], failed["dtype"], failed["kernel"]) == (4 * MiB, "bfloat16", "copy")
     assert failed["error"] == "MemoryError: Out of memory allocating 4,194,304 bytes"
