@@ -128,6 +128,8 @@ def run(options: bench.Options, comm: Communicator, algorithms: list[str] | None
     for size in bench.sizes(options.min_bytes, options.max_bytes, options.step_factor):
         case = bench._Case(options, collective, dtype, size, comm)
         nbytes = case.count * dtype.itemsize
+        if points and points[-1].size == nbytes:  # sizes below one element: 0 B already done
+            continue
         names = families + ["auto"]
         point = Point(nbytes)
         samples: dict[str, list[float]] = {a: [] for a in names}

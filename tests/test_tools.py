@@ -62,6 +62,15 @@ def test_compare_without_matplotlib_keeps_its_table(tmp_path, capsys, monkeypatc
     assert not (tmp_path / "cmp.png").exists()
 
 
+def test_compare_measures_each_element_count_once(tmp_path, capsys):
+    """1 B and 2 B of float32 are both 0 elements: one 0 B row, not two."""
+    assert main(["compare", "allreduce", "--ranks", "2", "-b", "1", "-e", "8", "-n", "1",
+                 "-w", "0", "--output", str(tmp_path / "cmp")]) == 0
+    rows = [line.split(" |")[0] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+    assert rows == ["| 0 B", "| 4 B", "| 8 B"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["compare", "alltoall", "--ranks", "2"], "nothing to compare"),
     # no swept size holds a whole element (it priced 0 B, then scanned sizes 0, 0, ...)
