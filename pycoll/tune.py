@@ -220,10 +220,12 @@ def tune_comm(comm: Communicator, kind: str, repeats: int = 15,
         fits.insert(len(fits) - 2, line)
         # A measured call holds the call's fixed cost and its seed copy besides the step.
         alpha = max(line.fixed - call, 1e-7)
-        curves[name] = tuple(
+        curve = tuple(
             (b, max((t - line.fixed) / b - model._interpolate(copy_curve, b), 1e-13))
             for b, t in points if b >= CURVE_FROM
         )
+        if curve:  # none when every size measured is below CURVE_FROM: the line's beta alone
+            curves[name] = curve
         return model.Link(alpha, max(line.per_byte - delta.per_byte, line.per_byte / 10))
 
     intra = link(step_intra, "within a node", "intra") if step_intra else base.intra

@@ -163,6 +163,19 @@ def test_summarize_names_rows_without_native_times(tmp_path):
     assert done.returncode == 0 and "| 8 B | 1.000 | 0.500 | - | - | 2.00 | 0 |" in done.stdout
 
 
+def test_tune_below_the_curves_sizes_writes_no_empty_curve(tmp_path, capsys):
+    """Every size below tune.CURVE_FROM: no per-byte curve for the links (it printed and
+    saved empty ones), the line's beta alone."""
+    path = tmp_path / "tuning.json"
+    assert main(["tune", "--output", str(path), "--repeats", "1", "-e", "4K",
+                 "--ranks", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    curve_lines = [line for line in lines if "by operation size:" in line]
+    assert curve_lines and all(not line.endswith(":") for line in curve_lines)
+    [topology] = model.load_tuning(path)["local"]
+    assert dict(topology.curves).keys() == {"gamma", "delta"}
+
+
 def test_tune_rewrites_a_tuning_file_it_cannot_read(tmp_path, capsys):
     """The unreadable file's error says to run pycoll tune: that must then work."""
     path = tmp_path / "tuning.json"
