@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from pycoll.bindings.transport import WaitTimeout
+from pycoll.bindings.transport import ChannelsCrossed, WaitTimeout
 
 LINE = 64  # bytes of a cache line; every header and payload starts on one
 _WORDS = LINE // 8
@@ -375,7 +375,7 @@ class SharedMemoryTransport:
                     continue
             elif int(control[self._head_word]) != self._tails[r.peer]:
                 continue  # data to read first
-            raise ValueError(
+            raise ChannelsCrossed(
                 f"rank {self.rank} waits in the rings to {'send' if sending else 'receive'} "
                 f"{r.total} bytes {'to' if sending else 'from'} rank "
                 f"{self.local[r.peer]}, which has gone on to a small call through the "
@@ -496,7 +496,7 @@ class SharedMemoryTransport:
                 tail += size - pos
                 continue
             if tag != r.tag or total != r.total:
-                raise ValueError(
+                raise ChannelsCrossed(
                     f"rank {self.rank} expects {r.total} bytes from rank {self.local[i]} "
                     f"(tag {r.tag}), which sends {total} (tag {tag}); the ranks disagree on the "
                     "call"
@@ -592,7 +592,7 @@ class SharedMemoryTransport:
                     self._fence()
                     if control[flag] < seq:
                         self._small_seq = seq  # published: spent, as below
-                        raise ValueError(
+                        raise ChannelsCrossed(
                             f"{collective}: rank {self.rank} passed {x.size} elements of "
                             f"{x.dtype} (a small call, through the one-shot slots) but rank "
                             f"{self.local[i]} sends it a message through the rings; every "

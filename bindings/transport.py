@@ -52,6 +52,12 @@ class WaitTimeout(TimeoutError):
         self.peers, self.seconds = peers, seconds
 
 
+class ChannelsCrossed(ValueError):
+    """Ranks disagreed on a call (its size or count) in a way that leaves a message in an
+    ordered channel, a shared-memory ring, where no later call expects one: every later call
+    between those ranks would read it first. The communicator is broken after it."""
+
+
 class CollectiveTimeout(TimeoutError):
     """A collective waited past the communicator's timeout; the message names the collective,
     the algorithm, the step and the peers still awaited. The communicator is broken after it."""

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pycoll import agree, algorithms, select, verify
-from pycoll.bindings.transport import CollectiveTimeout, WaitTimeout
+from pycoll.bindings.transport import ChannelsCrossed, CollectiveTimeout, WaitTimeout
 from pycoll.comm import Communicator, is_int, world
 from pycoll.execute import compile_program, run, some_rank_forwards
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
@@ -164,6 +164,8 @@ def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndar
         return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), name, call)
     except WaitTimeout as late:
         raise comm.timed_out(f"{name} (one-shot)", late) from None
+    except ChannelsCrossed as error:
+        raise _broken(comm, error) from None
 
 
 def _sum_in_rank_order(out: np.ndarray, parts: tuple, reduce: Any) -> None:
@@ -972,7 +974,7 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
     try:
         run(program, source, target, transport, tag, call.reduce, space, scratch, call.what,
             comm.traffic.add, call.reduce_n, call.reduce_copy, call.copy_pair)
-    except CollectiveTimeout as error:
+    except (CollectiveTimeout, ChannelsCrossed) as error:
         raise _broken(comm, error) from None
 
 

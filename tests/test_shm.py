@@ -16,6 +16,7 @@ import pycoll
 from pycoll import oracle
 from pycoll.algorithms import families_for
 from pycoll.bindings import shm
+from pycoll.bindings.transport import ChannelsCrossed
 from pycoll.schedule import Collective
 
 RANKS = [1, 2, 3, 5]
@@ -472,6 +473,25 @@ def test_sizes_on_both_sides_of_the_one_shot_limit_are_named(monkeypatch, collec
 
     with pytest.raises(ValueError, match="every rank must pass the same count and dtype"):
         run(nranks, call)
+
+
+def test_ranks_whose_channels_crossed_are_left_with_a_broken_communicator(monkeypatch):
+    """After sizes straddling the one-shot limit, a message is left in a ring where no later
+    call expects one: every later call read it first and failed with a misleading mismatch
+    (or could not tell). The communicator is now broken and says why at once."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "30")  # a regression fails, not hangs
+
+    def call(rank):
+        comm = pycoll.world()
+        with pytest.raises(ChannelsCrossed, match="same count and dtype|one-shot slots"):
+            pycoll.allreduce(np.ones(1 << 20 if rank == 0 else 2), comm=comm)
+        with pytest.raises(RuntimeError, match="is broken") as later:
+            pycoll.allreduce(np.arange(1000.0), comm=comm)
+        return str(later.value)
+
+    said = run(2, call)
+    assert "one-shot slots" in said[0] and "one-shot slots" in said[1]
 
 
 class _PlainSegments:
