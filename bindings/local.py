@@ -70,6 +70,8 @@ class LocalWorld:
         self.failure: BaseException | None = None
         self.failed_rank: int | None = None
         self.shared: dict[Any, Any] = {}  # objects every rank of the world uses (setdefault)
+        # Threads alive before this world: neither its ranks nor started by them.
+        self._threads_before = {thread.ident for thread in threading.enumerate()}
 
     def endpoint(self, rank: int, channel: str = "collective") -> LocalTransport:
         return LocalTransport(self, rank, channel)
@@ -185,12 +187,24 @@ class LocalWorld:
 
     def _nobody_can_progress(self) -> bool:
         """Every thread that could post blocks: each live rank's own (in a wait or parked on
-        its async work) and every busy async worker, and no awaited message has completed."""
+        its async work), every busy async worker and every thread a rank started, and no
+        awaited message has completed."""
         threads = self.nranks - len(self._finished) + self.busy_workers
         blocked = len(self._waiting) + sum(
             not all(f.done() for f in futures) for _, futures in self._parked.values()
         )
-        return blocked == threads and not any(r._done for r in self._waiting.values())
+        if blocked < threads:  # the common verdict, without counting the ranks' threads
+            return False
+        return (blocked == threads + self._threads_started_by_ranks()
+                and not any(r._done for r in self._waiting.values()))
+
+    def _threads_started_by_ranks(self) -> int:
+        """Live threads neither pycoll's own (ranks, async workers) nor there before this
+        world: a rank's, which may post with its rank's communicator (a rank computing while
+        its helper thread waits is no deadlock)."""
+        return sum(1 for thread in threading.enumerate()
+                   if thread.ident not in self._threads_before
+                   and not thread.name.startswith("pycoll-"))
 
     def _report_deadlock(self) -> None:
         waits = "; ".join(

@@ -530,6 +530,7 @@ class Communicator:
         if not is_int(key):
             raise ValueError(f"split: key={key!r} is invalid; allowed: an int")
         color, key = None if color is None else int(color), int(key)  # numpy ints too
+        self.drain()  # the async collectives queued before it use this communicator's MPI
         if self.mpi_comm is not None:
             MPI = mpi()
             self.all_arrive("split")
@@ -805,6 +806,7 @@ class _ThreadDefault(threading.local):
 
 _default = _ThreadDefault()
 _process_world: Communicator | None = None
+_process_world_lock = threading.Lock()
 _local_runs: list[set] = []  # per run_local under way: the threads there before it began
 _local_runs_lock = threading.Lock()
 
@@ -828,11 +830,14 @@ def world() -> Communicator:
             "threads have no default communicator); allowed: pass comm= the rank's "
             "pycoll.world(), taken on the rank's thread")
     global _process_world
-    if _process_world is None:
-        if launched_by_mpi():
-            _process_world = Communicator()
-        else:
-            _process_world = _local(LocalWorld(1), 0)
+    if _process_world is not None:
+        return _process_world
+    with _process_world_lock:  # two threads' first calls would each make one, collectively
+        if _process_world is None:
+            if launched_by_mpi():
+                _process_world = Communicator()
+            else:
+                _process_world = _local(LocalWorld(1), 0)
     return _process_world
 
 

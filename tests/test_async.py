@@ -3,6 +3,7 @@ and both results are right; one communicator keeps its order; errors come from w
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -112,6 +113,60 @@ def test_a_deadlock_through_async_work_is_reported_at_once(monkeypatch):
     assert "rank 1 waits to receive from rank 0" in str(caught.value)
 
 
+def test_a_rank_whose_own_thread_waits_while_a_peer_computes_is_no_deadlock(monkeypatch):
+    """Rank 0 and a thread it started both wait to receive; rank 1 computes, then sends to
+    both. Two blocked threads of two live ranks looked like every thread blocked: a false
+    Deadlock, while the same program runs under MPI."""
+    monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
+
+    def body(rank):
+        comm = pycoll.world()
+        if rank == 1:
+            time.sleep(1.0)  # computing: in no wait
+            pycoll.send(np.array([1, 1]), 0, tag=1)
+            pycoll.send(np.array([2, 2]), 0, tag=2)
+            return None
+        got = np.zeros(2, np.int64)
+        helper = threading.Thread(target=pycoll.recv, args=(got, 1, 2), kwargs={"comm": comm})
+        helper.start()
+        first = pycoll.recv(np.zeros(2, np.int64), 1, tag=1)
+        helper.join()
+        return first.tolist(), got.tolist()
+
+    assert run(2, body)[0] == ([1, 1], [2, 2])
+
+
+def test_a_deadlock_with_a_rank_started_thread_is_still_reported(monkeypatch):
+    """Rank 1 returns without sending: rank 0 and its thread wait for nothing that can
+    come, and both are counted as blocked."""
+    monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
+    errors = []
+
+    def body(rank):
+        comm = pycoll.world()
+        if rank == 1:
+            return
+
+        def receive():
+            try:
+                pycoll.recv(np.zeros(2), 1, tag=2, comm=comm)
+            except Exception as error:  # the verdict reaches this thread too
+                errors.append(error)
+
+        helper = threading.Thread(target=receive)
+        helper.start()
+        try:
+            pycoll.recv(np.zeros(2), 1, tag=1)
+        finally:
+            helper.join()
+
+    started = time.monotonic()
+    with pytest.raises((pycoll.Deadlock, pycoll.PeerFailed), match="deadlock|returned"):
+        run(2, body)
+    assert time.monotonic() - started < 10
+    assert errors and all(isinstance(e, (pycoll.Deadlock, pycoll.PeerFailed)) for e in errors)
+
+
 @pytest.mark.parametrize("park", ["wait", "drain"])
 def test_a_rank_busy_beside_its_async_work_is_no_deadlock(park):
     """While rank 0 computes (not in any wait) beside its async AllReduce, rank 1 waits for a
@@ -191,8 +246,6 @@ def test_receives_posted_out_of_tag_order_match_by_tag(blocking_second):
 def test_async_host_send_and_recv_are_posted_without_threads():
     """Posted as MPI's Isend/Irecv: 200 receives on 200 tags, posted in the reverse order of
     their sends, start no thread and complete."""
-    import threading
-
     def body():
         comm = pycoll.world()
         peer = 1 - comm.rank
@@ -203,7 +256,9 @@ def test_async_host_send_and_recv_are_posted_without_threads():
         else:
             works = [pycoll.send(np.full(2, float(t)), peer, tag=t, async_op=True)
                      for t in range(200)]
-        started = len(set(threading.enumerate()) - threads)
+        # (not the other rank's thread, which may start after this one looked)
+        started = len({t for t in set(threading.enumerate()) - threads
+                       if not t.name.startswith("pycoll-rank-")})
         for work in works:
             work.wait()
         assert all(work.done() for work in works)

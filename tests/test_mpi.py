@@ -246,6 +246,16 @@ def test_async_collectives_overlap_between_processes(transport):
     assert "async on 3 ranks: 18 of 18 right" in output
 
 
+@pytest.mark.parametrize("nranks,transport", [(2, "mpi"), (3, "auto")])
+def test_threads_and_async_work_beside_collective_setup(nranks, transport):
+    """tests/mpi/threads.py: two threads' first calls make one world; split waits for the
+    async collectives queued before it; a failed async receive leaves the others alone."""
+    done = launch(nranks, str(HERE / "threads.py"), PYCOLL_HOST_TRANSPORT=transport)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert f"threads on {nranks} ranks: {nranks * 3 + 2} of {nranks * 3 + 2} right" in output
+
+
 def test_a_short_soak_is_right_and_flat():
     """bench/soak.py's short version: mixed collectives, each against the oracle; the resident
     set flat after a warm-up (bench/results/soak.md has the 10 000-call run)."""
