@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from pycoll.bindings.transport import WaitTimeout
+from pycoll.settings import switch
 
 # Launchers set these in every rank's environment; a plain `python` sets none of them.
 _LAUNCHER_VARIABLES = (
@@ -23,9 +24,9 @@ _LAUNCHER_VARIABLES = (
 
 def launched_by_mpi() -> bool:
     """Whether this process is a rank of an MPI job (``PYCOLL_MPI=0|1`` overrides)."""
-    forced = os.environ.get("PYCOLL_MPI")
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = switch("PYCOLL_MPI", None)
+    if forced is not None:
+        return forced
     return any(name in os.environ for name in _LAUNCHER_VARIABLES)
 
 

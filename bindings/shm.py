@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from pycoll.bindings.transport import ChannelsCrossed, WaitTimeout
+from pycoll.settings import switch
 
 LINE = 64  # bytes of a cache line; every header and payload starts on one
 _WORDS = LINE // 8
@@ -704,10 +705,7 @@ def _dtype_name(number: int) -> str:
 
 
 def _cma_enabled() -> bool:
-    text = os.environ.get("PYCOLL_SHM_CMA", "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"PYCOLL_SHM_CMA={text!r} is invalid; allowed: 0 or 1")
-    return text == "1" and _libc() is not None
+    return bool(switch("PYCOLL_SHM_CMA", True)) and _libc() is not None
 
 
 class _IoVec(ctypes.Structure):

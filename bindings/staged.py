@@ -13,18 +13,19 @@ there) on the stream after MPI delivered it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
+
+from pycoll.settings import switch
 
 PIECE_BYTES = 4 << 20
 
 
 def cuda_aware_mpi(MPI: Any) -> bool:
     """Whether the MPI library takes CUDA device buffers (``PYCOLL_CUDA_AWARE_MPI`` overrides)."""
-    forced = os.environ.get("PYCOLL_CUDA_AWARE_MPI")
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = switch("PYCOLL_CUDA_AWARE_MPI", None)
+    if forced is not None:
+        return forced
     try:  # MPI 4.1's memory-kind info key (Open MPI >= 6, recent MPICH)
         kinds = MPI.INFO_ENV.Get("mpi_memory_alloc_kinds") or ""
     except Exception:  # noqa: BLE001 - older libraries lack the key or the object

@@ -16,11 +16,12 @@ The cost is one small AllGather per collective (measured in docs/reliability.md)
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from typing import Any
 
 import numpy as np
+
+from pycoll.settings import switch
 
 SIGNATURE_BYTES = 512  # one rank's signature, JSON padded with zeros
 _COUNTS_SHOWN = 8  # longer counts travel as a checksum
@@ -31,10 +32,7 @@ class CollectiveMismatch(ValueError):
 
 
 def enabled_by_default() -> bool:
-    text = os.environ.get("PYCOLL_CHECK", "0").strip() or "0"
-    if text not in ("0", "1"):
-        raise ValueError(f"PYCOLL_CHECK={text!r} is invalid; allowed: 0 or 1")
-    return text == "1"
+    return bool(switch("PYCOLL_CHECK", False))
 
 
 FIELDS = ("collective", "algorithm", "op", "dtype", "memory", "count", "counts", "root",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from pycoll.comm import Communicator, is_int, world
 from pycoll.execute import compile_program, run, some_rank_forwards
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
 from pycoll.schedule import Collective, Layout, split
+from pycoll.settings import switch
 from pycoll.spaces import HOST, space_of
 from pycoll.work import Posted
 
@@ -160,6 +160,8 @@ def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndar
     """Every rank's ``x`` through the shared slots (``call``: ``_call_number``'s)."""
     comm.traffic.to_every_peer(x.nbytes)
     name = collective._value_  # not .value: an Enum property costs as much as a small copy
+    if select.DEBUG and not comm.agreeing:
+        select.report_one_shot(name, x.nbytes, comm.size, comm.rank)
     try:
         return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), name, call)
     except WaitTimeout as late:
@@ -647,9 +649,16 @@ def plan(
     from pycoll import spaces
 
     space = spaces.CUDA if device else spaces.HOST
-    return select.plan_for(kind, int(nbytes), comm.size, algorithm,
-                           select.topology_for(comm, space, alone=True), dtype.itemsize,
-                           _root(root, comm, "plan"))
+    chosen = select.plan_for(kind, int(nbytes), comm.size, algorithm,
+                             select.topology_for(comm, space, alone=True), dtype.itemsize,
+                             _root(root, comm, "plan"))
+    # (AllGather's nbytes is its output's: the one-shot limit is on each rank's input)
+    per_rank = int(nbytes) // comm.size if kind is Collective.ALLGATHER else int(nbytes)
+    if algorithm == "auto" and not device and one_shot_serves(comm, kind, per_rank):
+        return dataclasses.replace(
+            chosen, algorithm=select.ONE_SHOT, nsegments=1, predicted=math.nan,
+            reason=select.ONE_SHOT_REASON + "; the candidates are the schedules'")
+    return chosen
 
 
 def barrier(comm: Communicator | None = None, *, async_op: bool = False) -> Any:
@@ -1080,10 +1089,7 @@ class PreparedCall:
 def _forwarding() -> bool:
     """``PYCOLL_FORWARD=0`` makes the ring reduce (or copy), then send (two passes), instead
     of writing the next rank's buffer as it does: to measure what the fused pass gains."""
-    text = os.environ.get("PYCOLL_FORWARD", "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"PYCOLL_FORWARD={text!r} is invalid; allowed: 0 or 1")
-    return text == "1"
+    return bool(switch("PYCOLL_FORWARD", True))
 
 
 def _point_to_point(comm, x, work, src, dst, tag) -> None:

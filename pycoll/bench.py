@@ -185,7 +185,7 @@ def run(options: Options, comm: Communicator, on_row: Callable[[Row], None] | No
                          "have no native MPI to time)")
     if collective in ROOTED and not 0 <= options.root < comm.size:  # others ignore it
         raise ValueError(f"--root={options.root} is not a rank; allowed: 0..{comm.size - 1}")
-    all_sizes = sizes(options.min_bytes, options.max_bytes, options.step_factor)
+    all_sizes = distinct_sizes(options, collective, dtype, comm.size)
     rows: list[Row] = []
     bandwidth = node_copy_bandwidth(comm) if options.roofline else None
     for size in all_sizes:
@@ -237,6 +237,27 @@ def min_memory_traffic(collective: Collective, nbytes: int, nranks: int) -> int:
     return n + (p - 1) * n  # Broadcast: the root's array read, p-1 copies written
 
 
+def element_count(collective: Collective, dtype: np.dtype, size: int, nranks: int) -> int:
+    """Elements of the whole array for a swept size of ``size`` bytes."""
+    count = max(size // dtype.itemsize, 0)
+    if collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL):
+        count -= count % nranks  # nccl-tests: the whole array splits evenly
+    return count
+
+
+def distinct_sizes(options: Options, collective: Collective, dtype: np.dtype, nranks: int
+                   ) -> list[int]:
+    """The swept sizes, less those whose element count the one before has (1 B and 2 B of
+    float32 are both 0 elements: one row, not two)."""
+    kept, last = [], None
+    for size in sizes(options.min_bytes, options.max_bytes, options.step_factor):
+        count = element_count(collective, dtype, size, nranks)
+        if count != last:
+            kept.append(size)
+        last = count
+    return kept
+
+
 class _Case:
     """The buffers and calls for one (collective, size): pycoll's and the native one."""
 
@@ -245,10 +266,7 @@ class _Case:
         p = comm.size
         self.collective, self.dtype, self.comm = collective, dtype, comm
         self.op, self.root = options.op, options.root
-        count = max(size // dtype.itemsize, 0)
-        if collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL):
-            count -= count % p  # nccl-tests: the whole array splits evenly
-        self.count = count
+        self.count = count = element_count(collective, dtype, size, p)
         in_count = count // p if collective is Collective.ALLGATHER else count
         out_count = count // p if collective is Collective.REDUCE_SCATTER else count
         self.memory = _Memory(options.device, comm)

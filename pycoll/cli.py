@@ -302,11 +302,14 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
             iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=_op_name(args.op),
             root=args.root,
         )
+        if args.collective == "alltoall":
+            raise ValueError("collective='alltoall' has one algorithm (direct): nothing to compare")
+        if args.collective not in bench.COLLECTIVES:
+            raise ValueError(f"collective={args.collective!r} is unknown; allowed: " + ", ".join(
+                c for c in bench.COLLECTIVES if c != "alltoall"))
         bench.validate(options)
         _ranks_flag(args.ranks)
         _writable(args.output and f"{args.output}.md", "--output")
-        if bench.COLLECTIVES[args.collective] is bench.Collective.ALLTOALL:
-            raise ValueError("collective='alltoall' has one algorithm (direct): nothing to compare")
     except (ValueError, TypeError) as error:
         bad = error
     else:

@@ -125,11 +125,9 @@ def run(options: bench.Options, comm: Communicator, algorithms: list[str] | None
     families = algorithms or families_for(collective)
     topology = select.topology_for(comm, HOST)
     points = []
-    for size in bench.sizes(options.min_bytes, options.max_bytes, options.step_factor):
+    for size in bench.distinct_sizes(options, collective, dtype, comm.size):
         case = bench._Case(options, collective, dtype, size, comm)
         nbytes = case.count * dtype.itemsize
-        if points and points[-1].size == nbytes:  # sizes below one element: 0 B already done
-            continue
         names = families + ["auto"]
         point = Point(nbytes)
         samples: dict[str, list[float]] = {a: [] for a in names}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pycoll import model
 from pycoll.algorithms import FAMILIES, families_for, node_aware
 from pycoll.schedule import ROOTED, Collective
+from pycoll.settings import switch
 
 ALGO_ENV = "PYCOLL_ALGO"
 
@@ -41,7 +42,7 @@ def _segments_from_env() -> int | None:
 # Force every schedule to this many segments (tests, `pycoll explain --segments`); None: model.
 # Read at import, as PYCOLL_DEBUG: every call reads them.
 FORCED_SEGMENTS: int | None = _segments_from_env()
-DEBUG = os.environ.get("PYCOLL_DEBUG", "") not in ("", "0")
+DEBUG = bool(switch("PYCOLL_DEBUG", False))
 log = logging.getLogger("pycoll")
 
 # Built-in costs per kind of transport, until `pycoll tune` measures this machine's. They
@@ -251,3 +252,16 @@ def spans_nodes(topology: model.Topology, nranks: int) -> bool:
 def report(plan: Plan, rank: int) -> None:
     """The PYCOLL_DEBUG line for one call."""
     log.warning("pycoll: rank %d %s", rank, plan.describe())
+
+
+# What auto runs for small host calls when every rank shares a node (pycoll/api.py's
+# one-shot): no schedule, so no plan of its own.
+ONE_SHOT = "one_shot"
+ONE_SHOT_REASON = ("every rank on one node, a small call: every rank's input through the "
+                   "shared-memory slots in one shot, no schedule")
+
+
+def report_one_shot(collective: str, nbytes: int, nranks: int, rank: int) -> None:
+    """The PYCOLL_DEBUG line for a call the one-shot served."""
+    log.warning("pycoll: rank %d %s %d B on %d ranks: %s (%s)", rank, collective, nbytes,
+                nranks, ONE_SHOT, ONE_SHOT_REASON)

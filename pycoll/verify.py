@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +37,7 @@ import numpy as np
 
 from pycoll import oracle
 from pycoll.kernels import ReduceOp
+from pycoll.settings import switch
 
 # Set once any communicator verifies; until then a collective reads only this.
 active = False
@@ -54,12 +54,10 @@ class VerificationError(RuntimeError):
 
 def enabled_by_default() -> bool:
     """``PYCOLL_VERIFY`` (0 or 1), read when a communicator is made."""
-    text = os.environ.get("PYCOLL_VERIFY", "0").strip() or "0"
-    if text not in ("0", "1"):
-        raise ValueError(f"PYCOLL_VERIFY={text!r} is invalid; allowed: 0 or 1")
-    if text == "1":
+    on = bool(switch("PYCOLL_VERIFY", False))
+    if on:
         turn_on()
-    return text == "1"
+    return on
 
 
 def turn_on() -> None:

@@ -40,6 +40,17 @@ def test_bus_bandwidth_factors_follow_nccl_tests(collective, factor):
     assert bench.bus_factor(collective, 4) == pytest.approx(factor)
 
 
+@pytest.mark.parametrize("collective,low,high,counts", [
+    (Collective.ALLREDUCE, 1, 16, [0, 1, 2, 4]),  # 1 B and 2 B of float32: 0 elements both
+    (Collective.ALLGATHER, 4, 64, [0, 3, 6, 15]),  # below 3 elements: 0 (evenly split)
+])
+def test_each_element_count_is_swept_once(collective, low, high, counts):
+    options = bench.Options(collective=collective.value, min_bytes=low, max_bytes=high)
+    float32 = bench.np.dtype("float32")
+    kept = bench.distinct_sizes(options, collective, float32, 3)
+    assert [bench.element_count(collective, float32, s, 3) for s in kept] == counts
+
+
 @pytest.mark.parametrize("collective", list(bench.COLLECTIVES))
 def test_in_process_sweep_checks_every_size(collective, capsys, tmp_path):
     out = tmp_path / "rows.json"

@@ -103,6 +103,33 @@ def test_calls_run_what_the_plan_says(monkeypatch, caplog):
     assert all("forced by PYCOLL_ALGO" in line for line in lines)
 
 
+def test_plan_and_debug_name_the_one_shot_where_it_serves_the_call(monkeypatch, caplog):
+    """Over shared memory small calls take the one-shot, not a schedule: plan named the
+    schedule auto would not run, and PYCOLL_DEBUG said nothing for them."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setattr(select, "DEBUG", True)
+
+    def body():
+        plans = [pycoll.plan("allreduce", 8), pycoll.plan("allgather", 4 * 3),
+                 pycoll.plan("reduce", 1 << 10, root=2), pycoll.plan("allreduce", 64 << 20),
+                 pycoll.plan("allreduce", 8, algorithm="ring"),
+                 pycoll.plan("allgather", 3 * (1 << 20))]
+        pycoll.allreduce(np.ones(2, np.float32))
+        return [p.algorithm for p in plans], plans[0]
+
+    with caplog.at_level(logging.WARNING, logger="pycoll"):
+        (names, small), *_ = pycoll.run_local(3, body)
+    assert names[:3] == [select.ONE_SHOT] * 3
+    assert select.ONE_SHOT not in names[3:] and names[4] == "ring"
+    assert np.isnan(small.predicted) and small.candidates  # what a schedule would cost
+    assert "one_shot" in small.describe()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sorted(line.split(" allreduce")[0] for line in lines) == [
+        f"pycoll: rank {r}" for r in range(3)]
+    assert all("allreduce 8 B on 3 ranks: one_shot (every rank on one node" in line
+               for line in lines)
+
+
 def test_algorithm_argument_lets_the_model_pick_only_the_segments():
     plan = plan_on(4, "broadcast", 32 << 20, algorithm="ring")
     assert plan.algorithm == "ring" and {c.algorithm for c in plan.candidates} == {"ring"}
@@ -144,3 +171,35 @@ def test_a_segment_count_below_one_is_refused(monkeypatch, value):
 
     with pytest.raises(ValueError, match="nsegments=-1 is invalid; allowed: an int >= 1"):
         build("ring", Collective.ALLREDUCE, 3, -1)
+
+
+@pytest.mark.parametrize("name", ["PYCOLL_DEBUG", "PYCOLL_MPI", "PYCOLL_CHECK", "PYCOLL_VERIFY",
+                                  "PYCOLL_FORWARD", "PYCOLL_SHM_CMA", "PYCOLL_CUDA_AWARE_MPI"])
+def test_an_on_off_setting_takes_0_or_1_and_names_anything_else(monkeypatch, name):
+    """PYCOLL_DEBUG=false turned logging on; PYCOLL_MPI=yes was read as unset."""
+    from pycoll.settings import switch
+
+    for text, expected in [("1", True), (" 0 ", False), ("", None)]:
+        monkeypatch.setenv(name, text)
+        assert switch(name, None) is expected
+    monkeypatch.delenv(name)
+    assert switch(name, True) is True
+    for text in ["false", "yes", "2"]:
+        monkeypatch.setenv(name, text)
+        with pytest.raises(ValueError, match=f"{name}='{text}' is invalid; allowed: 0 or 1"):
+            switch(name, None)
+
+
+def test_each_on_off_setting_is_read_through_the_switch(monkeypatch):
+    from pycoll import agree, api, verify
+    from pycoll.bindings import mpi, shm, staged
+
+    readers = {"PYCOLL_FORWARD": api._forwarding, "PYCOLL_MPI": mpi.launched_by_mpi,
+               "PYCOLL_CHECK": agree.enabled_by_default,
+               "PYCOLL_VERIFY": verify.enabled_by_default, "PYCOLL_SHM_CMA": shm._cma_enabled,
+               "PYCOLL_CUDA_AWARE_MPI": lambda: staged.cuda_aware_mpi(None)}
+    for name, read in readers.items():
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(ValueError, match=f"{name}='yes'"):
+            read()
+        monkeypatch.delenv(name)

@@ -73,6 +73,8 @@ def test_compare_measures_each_element_count_once(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["compare", "alltoall", "--ranks", "2"], "nothing to compare"),
+    (["compare", "foo", "--ranks", "2"], "allowed: allreduce, reduce_scatter, allgather, "
+                                         "broadcast, reduce\n"),
     # no swept size holds a whole element (it priced 0 B, then scanned sizes 0, 0, ...)
     (["model", "--ranks", "2", "-b", "1", "-e", "8"], "sweep no whole element of float32"),
     (["model", "--ranks", "2", "-b", "4", "-e", "4", "-d", "float64"], "(8 B)"),
