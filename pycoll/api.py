@@ -132,6 +132,21 @@ def one_shot_serves(comm: Communicator, collective: Collective, nbytes: int) -> 
     return nbytes <= limit
 
 
+def _one_shot_would_serve(comm: Communicator, collective: Collective, nbytes: int) -> bool:
+    """``one_shot_serves``, on one rank alone: before the first collective has made the host
+    transport (every rank together), read off the layout what it will be."""
+    if comm.host_transport_made():
+        return one_shot_serves(comm, collective, nbytes)
+    from pycoll.bindings import shm
+
+    if (comm.host_kind() != "shm" or len(set(comm.nodes())) > 1
+            or select.forced_algorithm(collective) is not None):
+        return False
+    small = shm.small_bytes_from_env()
+    return nbytes <= (small if collective is Collective.ALLREDUCE
+                      else min(small, SMALL_EXCHANGE_BYTES))
+
+
 def _small_exchange(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,
                     algorithm: str, stream: Any, blocks: tuple[int, ...] | None,
                     root: int | None = None) -> tuple | None:
@@ -654,7 +669,7 @@ def plan(
                              _root(root, comm, "plan"))
     # (AllGather's nbytes is its output's: the one-shot limit is on each rank's input)
     per_rank = int(nbytes) // comm.size if kind is Collective.ALLGATHER else int(nbytes)
-    if algorithm == "auto" and not device and one_shot_serves(comm, kind, per_rank):
+    if algorithm == "auto" and not device and _one_shot_would_serve(comm, kind, per_rank):
         return dataclasses.replace(
             chosen, algorithm=select.ONE_SHOT, nsegments=1, predicted=math.nan,
             reason=select.ONE_SHOT_REASON + "; the candidates are the schedules'")

@@ -127,7 +127,7 @@ class _Spin:
 
 
 def _timer(cupy: Any, call: Callable[[], None], repeats: int, batch: int, spin: _Spin,
-           warmup: int = 1) -> float:
+           warmup: int = WARMUP) -> float:
     """Median over ``repeats`` of the mean time of ``batch`` back-to-back launches (s), after
     ``warmup`` untimed launches (the first compiles)."""
     for _ in range(warmup):

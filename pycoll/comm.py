@@ -238,6 +238,10 @@ class Communicator:
             self._apply_timeout()
         return self._host
 
+    def host_transport_made(self) -> bool:
+        """Whether ``host_transport`` has been made (by a first collective)."""
+        return self._host is not None
+
     def host_kind(self) -> str:
         """The kind of transport host arrays take, as tuning files name it: "shm" (some ranks
         share a node), "mpi", or "local" (in-process threads); the same on every rank, so

@@ -130,6 +130,23 @@ def test_plan_and_debug_name_the_one_shot_where_it_serves_the_call(monkeypatch, 
                for line in lines)
 
 
+def test_plan_on_one_rank_alone_names_the_one_shot_without_a_collective(monkeypatch):
+    """plan may be asked on one rank alone: it reads the one-shot off the layout instead of
+    making the shared-memory transport (every rank together) before the first collective."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "20")  # a regression fails, not hangs
+
+    def body():
+        if pycoll.world().rank != 0:
+            return None  # no collective at all
+        return [pycoll.plan("allreduce", 8).algorithm,
+                pycoll.plan("allgather", 3 * (64 << 10)).algorithm,
+                pycoll.plan("allgather", 3 * (64 << 10) + 3).algorithm]
+
+    names = pycoll.run_local(3, body)[0]
+    assert names[:2] == [select.ONE_SHOT] * 2 and names[2] != select.ONE_SHOT
+
+
 def test_algorithm_argument_lets_the_model_pick_only_the_segments():
     plan = plan_on(4, "broadcast", 32 << 20, algorithm="ring")
     assert plan.algorithm == "ring" and {c.algorithm for c in plan.candidates} == {"ring"}
