@@ -376,12 +376,12 @@ class SharedMemoryTransport:
                     continue
             elif int(control[self._head_word]) != self._tails[r.peer]:
                 continue  # data to read first
-            raise ChannelsCrossed(
+            raise self._give_up(ChannelsCrossed(
                 f"rank {self.rank} waits in the rings to {'send' if sending else 'receive'} "
                 f"{r.total} bytes {'to' if sending else 'from'} rank "
                 f"{self.local[r.peer]}, which has gone on to a small call through the "
                 "one-shot slots; the ranks disagree on the call (every rank must pass the "
-                "same count and dtype)")
+                "same count and dtype)"))
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
@@ -393,6 +393,11 @@ class SharedMemoryTransport:
         idle += 1
         if idle > self._spins:
             if idle & 1023 == 0:
+                for i in peers:
+                    if self._control[i][self._layout.gave_up]:
+                        raise self._give_up(ChannelsCrossed(
+                            f"rank {self.rank} waits for rank {self.local[i]}, which gave up "
+                            "the call: the ranks disagree on it (its error names how)"))
                 if crossed is not None:
                     crossed()
                 if self._check is not None:
@@ -401,6 +406,13 @@ class SharedMemoryTransport:
                     raise WaitTimeout(sorted(self.local[i] for i in peers), self.timeout)
             os.sched_yield() if idle < 20000 else time.sleep(50e-6)
         return idle
+
+    def _give_up(self, error: ChannelsCrossed) -> ChannelsCrossed:
+        """Say so in this rank's control line before raising ``error``: a peer waiting for
+        this rank in a channel it will never use (a one-shot's flag, a ring no message will
+        reach) raises too, instead of waiting forever."""
+        self._my_control[self._layout.gave_up] = 1
+        return error
 
     # -- sending
 
@@ -497,11 +509,11 @@ class SharedMemoryTransport:
                 tail += size - pos
                 continue
             if tag != r.tag or total != r.total:
-                raise ChannelsCrossed(
+                raise self._give_up(ChannelsCrossed(
                     f"rank {self.rank} expects {r.total} bytes from rank {self.local[i]} "
                     f"(tag {r.tag}), which sends {total} (tag {tag}); the ranks disagree on the "
                     "call"
-                )
+                ))
             if kind == IN_PROCESS:
                 self._read_from(i, offset, n, r)
                 tail += LINE
@@ -593,11 +605,11 @@ class SharedMemoryTransport:
                     self._fence()
                     if control[flag] < seq:
                         self._small_seq = seq  # published: spent, as below
-                        raise ChannelsCrossed(
+                        raise self._give_up(ChannelsCrossed(
                             f"{collective}: rank {self.rank} passed {x.size} elements of "
                             f"{x.dtype} (a small call, through the one-shot slots) but rank "
                             f"{self.local[i]} sends it a message through the rings; every "
-                            "rank must pass the same count and dtype")
+                            "rank must pass the same count and dtype"))
 
                 while control[flag] < seq:
                     idle = self._idle(idle, (i,), crossed)
@@ -658,6 +670,7 @@ class _Layout:
         self.count = count
         self.small_flag = 2 * count * _WORDS
         self.identity = (2 * count + 1) * _WORDS  # pid, probe address, peers readable
+        self.gave_up = self.identity + 3  # nonzero once this rank raised ChannelsCrossed
         self.control = (2 * count + 2) * LINE
         self._slots = self.control
         self._small = small_bytes

@@ -231,10 +231,15 @@ class Communicator:
         """
         if self._host is None:
             try:
-                self._host = self._make_host_transport()
+                host = self._make_host_transport()
             except WaitTimeout as late:  # in-process: a rank of the node did not come
                 raise self.timed_out("the first collective (connecting shared memory)",
                                       late) from None
+            if self.mpi_comm is not None:
+                from pycoll import select
+
+                select.share_tuning(self)  # here, where every rank is, whatever its path
+            self._host = host
             self._apply_timeout()
         return self._host
 

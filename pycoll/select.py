@@ -229,18 +229,39 @@ def topology_for(comm, space, alone: bool = False) -> model.Topology:
     cached = comm.topologies.get(kind)
     if cached is not None:
         return cached
-    tuned = None
-    if alone or comm.rank == 0 or comm.mpi_comm is None:
-        tuned = model.nearest(model.load_tuning().get(kind, []), comm.size)
     if comm.mpi_comm is not None and not alone:
-        comm.all_arrive("the first call of its kind (sharing the tuning file's costs)")
-        tuned = comm.transport.comm.bcast(tuned, root=0)
-    # the ranks' actual nodes: which links are between nodes, and whether hierarchical
-    # schedules apply
-    topology = replace(tuned or DEFAULTS[kind], ranks_per_node=comm.ranks_per_node)
-    if not alone:  # only what every rank holds alike is kept
+        comm.host_transport()  # made by every rank together, which shares rank 0's costs
+        return comm.topologies[kind]
+    topology = _costs(model.nearest(model.load_tuning().get(kind, []), comm.size), kind, comm)
+    if not alone:  # in-process: every rank reads the same file
         comm.topologies[kind] = topology
     return topology
+
+
+def share_tuning(comm) -> None:
+    """Under MPI, rank 0's tuned costs for ``comm``'s host arrays and for device arrays,
+    kept on every rank so that all choose alike. Collective: called as the host transport is
+    made, in each rank's first collective whatever path it takes (a broadcast at the first
+    scheduled call waited forever for ranks whose first call took the one-shot)."""
+    kinds = (comm.host_kind(), "cuda")
+    found: dict | str | None = None
+    if comm.rank == 0:
+        try:
+            tunings = model.load_tuning()
+            found = {kind: model.nearest(tunings.get(kind, []), comm.size) for kind in kinds}
+        except ValueError as error:  # an unreadable file: every rank raises it
+            found = str(error)
+    found = comm.transport.comm.bcast(found, root=0)
+    if isinstance(found, str):
+        raise ValueError(found)
+    for kind in kinds:
+        comm.topologies[kind] = _costs(found[kind], kind, comm)
+
+
+def _costs(tuned: model.Topology | None, kind: str, comm) -> model.Topology:
+    """The tuned costs, else the defaults, on the ranks' actual nodes (which links are
+    between nodes, and whether hierarchical schedules apply)."""
+    return replace(tuned or DEFAULTS[kind], ranks_per_node=comm.ranks_per_node)
 
 
 def spans_nodes(topology: model.Topology, nranks: int) -> bool:

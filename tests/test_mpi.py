@@ -69,25 +69,20 @@ comm = pycoll.Communicator()
 attempt("split", lambda: comm.split(0))
 comm = pycoll.Communicator()
 pycoll.allreduce(np.ones(3), comm=comm)
-attempt("tuning", lambda: pycoll.allreduce(np.ones(1000), algorithm="ring", comm=comm))
-comm = pycoll.Communicator()
-pycoll.allreduce(np.ones(3), comm=comm)
 attempt("empty", lambda: pycoll.empty(4, comm=comm))
 """
 
 
 def test_a_rank_missing_from_a_first_step_times_out():
-    """The blocking MPI calls of a communicator's first steps (the shared-memory split, a
-    split, sharing the tuning file's costs) and of pycoll.empty wait within the timeout too
-    (they waited forever for a rank that never came)."""
+    """The blocking MPI calls of a communicator's first steps (the shared-memory split, which
+    shares the tuning file's costs too, a split) and of pycoll.empty wait within the timeout
+    too (they waited forever for a rank that never came)."""
     done = launch(3, "-c", FIRST_STEPS_LATE, timeout=60, PYCOLL_TIMEOUT="0.5")
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     for rank in (0, 2):
         for name, what in [("first", "the first collective (connecting shared memory)"),
                            ("split", "split"),
-                           ("tuning", "the first call of its kind (sharing the tuning file's "
-                                      "costs)"),
                            ("empty", "empty")]:
             assert f"rank {rank} {name}: {what}: rank {rank} waited 0.5 s for rank(s) 1" in output
 
@@ -180,6 +175,36 @@ def test_a_disagreement_is_named_on_every_process():
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "agreement on 3 ranks: 3 of 3 named the mismatch" in output
+
+
+CHANNELS_CROSS = """
+import sys, numpy as np, pycoll
+rank = pycoll.world().rank
+kind = sys.argv[1]
+# a communicator's first call: some ranks take the one-shot, the others a schedule
+if kind == "sizes":
+    x, algorithm = np.ones((1 << 20) if rank == 1 else 1), "auto"
+else:
+    x, algorithm = np.ones(4), "tree" if rank == 1 else "auto"
+try:
+    pycoll.allreduce(x, algorithm=algorithm)
+    print(f"rank {rank} returned", flush=True)
+except ValueError as error:
+    print(f"rank {rank} raised {type(error).__name__}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["sizes", "algorithm"])
+def test_ranks_whose_first_calls_take_different_channels_all_raise(kind):
+    """Sizes on both sides of the one-shot limit, or a family forced on one rank, in a
+    communicator's first call: the schedule's ranks waited forever in the broadcast of the
+    tuned costs (the one-shot's never came to it); then a rank the one who raised sent
+    nothing to waited forever for its one-shot flag."""
+    done = launch(3, "-c", CHANNELS_CROSS, kind, timeout=60)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in range(3):
+        assert f"rank {rank} raised ChannelsCrossed" in output, output
 
 
 @pytest.mark.parametrize("transport", ["auto", "mpi"])

@@ -484,14 +484,15 @@ def test_ranks_whose_channels_crossed_are_left_with_a_broken_communicator(monkey
 
     def call(rank):
         comm = pycoll.world()
-        with pytest.raises(ChannelsCrossed, match="same count and dtype|one-shot slots"):
+        with pytest.raises(ChannelsCrossed,
+                           match="same count and dtype|one-shot slots|gave up the call"):
             pycoll.allreduce(np.ones(1 << 20 if rank == 0 else 2), comm=comm)
         with pytest.raises(RuntimeError, match="is broken") as later:
             pycoll.allreduce(np.arange(1000.0), comm=comm)
         return str(later.value)
 
     said = run(2, call)
-    assert "one-shot slots" in said[0] and "one-shot slots" in said[1]
+    assert all(re.search("one-shot slots|gave up the call", why) for why in said)
 
 
 class _PlainSegments:
@@ -575,3 +576,19 @@ def test_a_send_read_in_place_just_as_the_peer_moves_on_is_no_disagreement():
     a.publish_small(np.ones(1), "allreduce")  # the one-shot call the peer waits in
     one_shot.join(30)
     assert not one_shot.is_alive()
+
+
+@pytest.mark.parametrize("wait", ["one-shot", "rings"])
+def test_a_peer_that_gave_up_the_call_is_named_by_those_waiting_for_it(wait):
+    """Rank 1 raised ChannelsCrossed (it saw rank 2 in the other channel) and will never
+    publish, nor send: rank 0, waiting for rank 1 with nothing of its in either channel (a
+    tree rank 1 sends rank 0 nothing on), waited forever."""
+    a, b = _two_endpoints()
+    with pytest.raises(ChannelsCrossed):
+        raise b._give_up(ChannelsCrossed("rank 1: the other channel"))
+    with pytest.raises(ChannelsCrossed, match="rank 0 waits for rank 1, which gave up the call"):
+        if wait == "one-shot":
+            a.publish_small(np.ones(1), "allreduce")
+        else:
+            a.waitall([a.irecv(np.empty(4), 1, 7)])
+    assert a._my_control[a._layout.gave_up]  # and so on, to whoever waits for rank 0
