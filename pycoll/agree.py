@@ -36,24 +36,26 @@ def enabled_by_default() -> bool:
 
 
 FIELDS = ("collective", "algorithm", "op", "dtype", "memory", "count", "counts", "root",
-          "sequence", "verify")
+          "sequence", "verify", "row")
 _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
 def signature(
     collective: str, algorithm: str, op: str | None, dtype: np.dtype, count: int | None,
     counts: tuple[int, ...] | None, root: int | None, sequence: int, memory: str = "host",
-    verify: bool = False,
+    verify: bool = False, row: tuple[int, ...] | None = None,
 ) -> tuple:
     """What every rank must agree on, in the order of :data:`FIELDS`; None for what does not
-    apply (or may differ)."""
+    apply (or may differ). ``row``: the shape of a row (``x.shape[1:]``) where counts are in
+    rows: two ranks' rows of 2 and of 3 elements would be read in each other's shape."""
     if counts is not None and len(counts) > _COUNTS_SHOWN:
         data = np.asarray(counts, np.int64).tobytes()
         counts = f"{len(counts)} counts, crc32 {zlib.crc32(data):08x}"
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)
-    return (collective, algorithm, op, name, memory, count, counts, root, sequence, verify)
+    return (collective, algorithm, op, name, memory, count, counts, root, sequence, verify,
+            None if row is None else list(row))
 
 
 def agree(comm: Any, values: tuple) -> None:

@@ -1008,6 +1008,9 @@ def _broken(comm: Communicator, error: Exception) -> Exception:
     return error
 
 
+_ROWS = (Collective.ALLGATHER, Collective.REDUCE_SCATTER, Collective.ALLTOALL)  # split by row
+
+
 def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,
            algorithm: str, blocks: tuple[int, ...] | None, root: int | None,
            count: int | None = None) -> None:
@@ -1025,6 +1028,7 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
         agree.agree(comm, agree.signature(
             collective.value, str(algorithm), None if op is None else op.value, x.dtype, count,
             counts, root, comm.agreements, space_of(x).name, comm.verify,
+            tuple(x.shape[1:]) if collective in _ROWS else None,
         ))
     except WaitTimeout as late:  # the shared-memory exchange
         raise comm.timed_out(what, late) from None

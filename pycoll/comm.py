@@ -8,6 +8,7 @@ messages never match the program's own.
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 import threading
@@ -594,7 +595,8 @@ def _first_seen_order(nodes: list[int]) -> list[int]:
 def _valid_timeout(value: Any, name: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if (isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real)
+            or not value > 0):  # numpy's numbers too (np.int64(5))
         raise ValueError(f"{name}={value!r} is invalid; allowed: seconds > 0, or None")
     return float(value)
 
@@ -781,7 +783,13 @@ def new_group(ranks: Sequence[int], comm: Communicator | None = None) -> Communi
     Every rank of ``comm`` must call it, as with ``torch.distributed.new_group``.
     """
     comm = world() if comm is None else comm
-    members = list(ranks)
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"new_group: comm={comm!r} is not a pycoll.Communicator; allowed: one, "
+                        "or None")
+    try:
+        members = list(ranks)
+    except TypeError:  # 5, None: not a sequence
+        members = [None]
     valid = all(is_int(r) for r in members)
     members = [int(r) for r in members] if valid else members  # numpy ints too
     if not members or not valid or len(set(members)) != len(members) or not all(

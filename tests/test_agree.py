@@ -75,6 +75,11 @@ def test_agreeing_ranks_get_the_oracle():
      "collective", '"allreduce" on ranks 0, 2; "reduce" on rank 1'),
     ("alltoall count", lambda r: pycoll.alltoall(np.ones(6 if r == 2 else 3)),
      "count", "3 on ranks 0, 1; 6 on rank 2"),
+    # rows of 2 and of 3 elements, 6 elements each: each rank read the others' in its shape
+    ("allgather row", lambda r: pycoll.allgather(np.ones((3, 2) if r else (2, 3))),
+     "row", "[3] on rank 0; [2] on ranks 1, 2"),
+    ("reduce_scatter row", lambda r: pycoll.reduce_scatter(np.ones((3, 4) if r else (6, 2))),
+     "row", "[2] on rank 0; [4] on ranks 1, 2"),
 ])
 def test_a_disagreement_is_named_on_every_rank(name, call, field, values):
     errors = mismatch_on_every_rank(call)

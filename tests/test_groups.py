@@ -81,10 +81,15 @@ def test_split_rejects_bad_colors(color):
         pycoll.run_local(2, body)
 
 
-@pytest.mark.parametrize("ranks", [[], [0, 0], [5], [True], [np.int64(0), 0]])
+@pytest.mark.parametrize("ranks", [[], [0, 0], [5], [True], [np.int64(0), 0], 5, None])
 def test_new_group_rejects_bad_rank_lists(ranks):
     with pytest.raises(ValueError, match="new_group: ranks=.* is invalid"):
         pycoll.run_local(2, lambda: pycoll.new_group(ranks))
+
+
+def test_new_group_names_a_comm_that_is_not_a_communicator():
+    with pytest.raises(TypeError, match="new_group: comm='world' is not a pycoll.Communicator"):
+        pycoll.new_group([0], comm="world")
 
 
 def test_new_group_with_lists_that_differ_between_ranks_fails_on_every_rank():

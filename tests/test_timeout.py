@@ -103,7 +103,10 @@ def test_a_bad_value_is_named():
     def body():
         with pytest.raises(ValueError, match="timeout=0 is invalid; allowed: seconds > 0"):
             pycoll.world().timeout = 0
-        return True
+        with pytest.raises(ValueError, match="timeout=np.True_ is invalid"):
+            pycoll.world().timeout = np.bool_(True)
+        pycoll.world().timeout = np.int64(5)  # numpy's numbers are seconds too
+        return pycoll.world().timeout == 5.0
 
     assert pycoll.run_local(1, body) == [True]
 
