@@ -150,17 +150,29 @@ collective_tests_status=$?
 report
 
 # 2. Collectives between MPI ranks sharing the GPU over CUDA IPC, every algorithm, checked.
-export PYCOLL_TIMEOUT=30  # a hung collective names its step and the rank it waited for (under the 40 s cap)
+export PYCOLL_TIMEOUT=30  # a collective hung in a host wait names its step and the rank awaited
 collectives_status=0
 : > "$out/collectives.txt"
+# A run that hangs on the GPU (a cross-process event wait that never completes, where CUDA IPC
+# half works) is cut at 40 s and names nothing (PYCOLL_TIMEOUT bounds host waits only): after
+# one, the other IPC runs are skipped, and the time goes to the staged run and the kernels.
+ipc_hung=""
 bench_collective() {  # LABEL JSON_NAME RANKS COLLECTIVE [ARGS...]
   local label=$1 name=$2 ranks=$3 collective=$4
   shift 4
-  timeout "$(within 40)" mpiexec -n "$ranks" "$python" -P -m pycoll bench "$collective" \
+  if [ -n "$ipc_hung" ] && [ "${PYCOLL_DEVICE_TRANSPORT:-}" != staged ]; then
+    # as a run cut short (exit 124), so the summary counts it among those that did not finish
+    printf '%s\n' "# skipped, after $ipc_hung timed out:" \
+      "# $collective on $ranks ranks$label: exit 124" | tee -a "$out/collectives.txt"
+    return 124
+  fi
+  # -k: mpiexec waits for ranks that ignore SIGTERM (one stuck in a driver call)
+  timeout -k 5 "$(within 40)" mpiexec -n "$ranks" "$python" -P -m pycoll bench "$collective" \
     --device cuda -b 64K -e 64M -f 4 -n 10 -w 3 --check 1 --json "$work/$name.json" "$@" 2>&1 \
     | tee -a "$out/collectives.txt"
   local status=${PIPESTATUS[0]}
   echo "# $collective on $ranks ranks$label: exit $status" | tee -a "$out/collectives.txt"
+  [ "$status" -eq 124 ] || [ "$status" -eq 137 ] && ipc_hung="$collective on $ranks ranks$label"
   return "$status"
 }
 for ranks in 2 4; do

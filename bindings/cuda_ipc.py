@@ -24,6 +24,8 @@ def _runtime() -> Any:
 class CudaIpcAccess:
     """Export and open inboxes and events between processes with CUDA IPC."""
 
+    interprocess = True
+
     def export(self, allocation: Any) -> bytes:
         return bytes(_runtime().ipcGetMemHandle(allocation.ptr))
 

@@ -63,7 +63,11 @@ _COUNTS_DISAGREE = -1  # a notice's byte count when the sender found the counts 
 
 
 class PeerAccess(Protocol):
-    """How one rank names its memory and events to another, and opens what it is given."""
+    """How one rank names its memory and events to another, and opens what it is given.
+    ``interprocess``: whether the peers are other processes (their events must be made
+    for IPC, which CUDA ties to a shared /dev/shm; threads of one process need not)."""
+
+    interprocess: bool
 
     def export(self, allocation: Any) -> bytes: ...
     def open(self, handle: bytes, capacity: int) -> Any: ...
@@ -75,6 +79,8 @@ class PeerAccess(Protocol):
 
 class SameProcessAccess:
     """Peers that are threads of this process: a handle names an object in a registry."""
+
+    interprocess = False
 
     def __init__(self) -> None:
         self._objects: dict[bytes, Any] = {}
@@ -175,7 +181,7 @@ class PeerMemoryTransport:
         self._from_top = False
         self._edge = 0
         self._mapped: dict[tuple[int, bytes], Any] = {}  # (peer, handle) -> opened inbox
-        self._event = space.new_event()
+        self._event = space.new_event(interprocess=access.interprocess)
         self._event_words = _words(access.export_event(self._event))
         self._peer_events: dict[int, Any] = {}  # peer -> its event, opened on first message
         self._stream: Any = None  # the stream of the latest call

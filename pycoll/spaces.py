@@ -217,8 +217,10 @@ class CudaSpace:
         cupy = self._cupy
         return cupy.ndarray((count,), dtype, cupy.cuda.MemoryPointer(allocation, offset))
 
-    def new_event(self) -> Any:
-        return self._cupy.cuda.Event(disable_timing=True, interprocess=True)
+    def new_event(self, interprocess: bool = True) -> Any:
+        """An event peers wait on: made for IPC where they are other processes (CUDA IPC
+        events need a /dev/shm shared with them; threads of this process need none)."""
+        return self._cupy.cuda.Event(disable_timing=True, interprocess=interprocess)
 
     def record(self, event: Any) -> None:
         event.record(self.current_stream())

@@ -99,9 +99,10 @@ class PerThreadDefaultStream(FakeStream):
 
 
 class FakeEvent:
-    def __init__(self) -> None:
+    def __init__(self, interprocess: bool = False) -> None:
         self.op: _Op | None = None  # the stream position of the latest record
         self.destroyed = False
+        self.interprocess = interprocess  # CUDA exports only events made for IPC
 
 
 class OpenedEvent:
@@ -126,6 +127,8 @@ class FakeAllocation:
 
 class FakeIpcAccess:
     """One rank's CUDA-IPC-like access to a world's shared handle registry."""
+
+    interprocess = True
 
     def __init__(self, registry: dict, rank: int, lock: threading.Lock):
         self.registry, self.rank, self.lock = registry, rank, lock
@@ -163,7 +166,10 @@ class FakeIpcAccess:
                 if entry["thing"] is opened:
                     entry["opens"] -= 1
 
-    export_event = _export
+    def export_event(self, event: FakeEvent) -> bytes:
+        if not event.interprocess:  # cudaIpcGetEventHandle: cudaErrorInvalidResourceHandle
+            raise RuntimeError("an event not made for IPC cannot be exported")
+        return self._export(event)
 
     def open_event(self, handle: bytes) -> OpenedEvent:
         return OpenedEvent(self._open(handle))
@@ -433,8 +439,8 @@ class FakeDevice:
             raise ValueError(f"slot [{offset}, +{count * dtype.itemsize}) beyond the allocation")
         return raw.view(dtype).view(DeviceArray)
 
-    def new_event(self) -> FakeEvent:
-        return FakeEvent()
+    def new_event(self, interprocess: bool = True) -> FakeEvent:
+        return FakeEvent(interprocess)
 
     def record(self, event: FakeEvent) -> None:
         with self._lock:
@@ -475,6 +481,8 @@ class FileIpcAccess:
     """CUDA IPC's rules between processes of one machine, for :class:`SharedFileDevice`:
     an inbox's handle names its file, which a peer maps; a process cannot open its own."""
 
+    interprocess = True
+
     def __init__(self) -> None:
         self.opens = 0  # mappings of peers' inboxes this process holds
 
@@ -497,6 +505,8 @@ class FileIpcAccess:
         self.opens -= 1
 
     def export_event(self, event: FakeEvent) -> bytes:
+        if not event.interprocess:  # cudaIpcGetEventHandle: cudaErrorInvalidResourceHandle
+            raise RuntimeError("an event not made for IPC cannot be exported")
         return b"event-" + uuid.uuid4().bytes.ljust(58, b"\0")
 
     def open_event(self, handle: bytes) -> OpenedEvent:

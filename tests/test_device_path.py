@@ -354,6 +354,20 @@ def test_slots_are_16_byte_aligned():
     assert offsets == [0, 16, 32, 48]
 
 
+def test_only_peers_in_other_processes_get_an_ipc_event():
+    """CUDA IPC events need a /dev/shm shared with the peer: threads of one process take
+    plain events, so a machine where IPC events fail still runs them."""
+    fake = FakeDevice()
+    credits = type("Host", (), {"rank": 0, "size": 1, "waitall": lambda self, requests: None})()
+    threads = peer_memory.PeerMemoryTransport(fake, peer_memory.SameProcessAccess(), credits,
+                                              credits)
+    processes = peer_memory.PeerMemoryTransport(
+        fake, fake.peer_access_for({}, 0), credits, credits)
+    assert not threads._event.interprocess and processes._event.interprocess
+    with pytest.raises(RuntimeError, match="not made for IPC"):
+        fake.peer_access_for({}, 0).export_event(fake.new_event(interprocess=False))
+
+
 def test_stand_in_streams_run_nothing_until_synchronised():
     fake = FakeDevice()
     x = device_array(np.zeros(4))

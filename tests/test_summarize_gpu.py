@@ -105,13 +105,15 @@ def test_the_ring_with_and_without_its_reduce_and_forward(tmp_path):
         summarize_gpu.main(str(alone)))
 
 
-@pytest.mark.parametrize("ipc_fails", [False, True])
+@pytest.mark.parametrize("ipc_fails", [0, 3, 124])
 def test_gpu_check_brings_back_at_most_8_files(tmp_path, ipc_fails):
     """The device tool returns at most 8 files from $OUT, named in letters, digits, '.', '_'
     and '-', at most 2 folders down: gpu_check.sh must fit, its page and the collectives' JSON
     included. mpiexec is a stand-in that writes one row where --json says (no GPU here), or,
-    with ``ipc_fails``, fails every run not staged through the host, as a machine that
-    refuses CUDA IPC would: then one staged AllReduce runs too, outside the IPC bar."""
+    with ``ipc_fails``, exits so in every run not staged through the host, as a machine that
+    refuses CUDA IPC would (3), or where it hangs on the GPU until the run's time limit
+    (124: the other IPC runs are then skipped): then one staged AllReduce runs too, outside
+    the IPC bar."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     row = json.dumps([collective("allreduce", 2, MiB, "ring", 9)])
@@ -123,7 +125,7 @@ for a in "$@"; do [ "$a" = --json ] && json=1; done
 [ -n "$json" ] || exit 0
 [ -f "{out}/gpu-summary.md" ] && page=page || page=none
 echo "${{PYCOLL_DEVICE_TRANSPORT:-ipc}} $page" >> "{calls}"
-[ "{int(ipc_fails)}" = 1 ] && [ "$PYCOLL_DEVICE_TRANSPORT" != staged ] && exit 3
+[ "{ipc_fails}" != 0 ] && [ "$PYCOLL_DEVICE_TRANSPORT" != staged ] && exit {ipc_fails}
 while [ $# -gt 0 ]; do [ "$1" = --json ] && echo '{row}' > "$2"; shift; done
 exit 0
 """)
@@ -143,7 +145,8 @@ exit 0
     assert all(len(p.relative_to(out).parts) <= 3 for p in files), files
     # the page was written after the tests' step, before the first collective ran
     made = calls.read_text().split("\n")[:-1]
-    assert made == ["ipc page"] * 7 + (["staged page"] if ipc_fails else []), made
+    ipc_made = {0: 7, 3: 7, 124: 1}[ipc_fails]  # after one hang the rest are skipped
+    assert made == ["ipc page"] * ipc_made + (["staged page"] if ipc_fails else []), made
     page = (out / "gpu-summary.md").read_text()
     # each test file's run, with its exit
     assert "# tests/test_gpu_collectives.py: exit " in page, page
@@ -153,7 +156,8 @@ exit 0
     ipc_runs.append("unforwarded-allreduce-4.json")
     if ipc_fails:
         assert "| allreduce (staged through the host, no IPC) | 2 | 1 | 0 |" in page, page
-        assert "| allreduce | 2 | 0 | - | - | - | 3 |" in page, page
+        assert f"| allreduce | 2 | 0 | - | - | - | {ipc_fails} |" in page, page
+        assert f"| allgather | 4 | 0 | - | - | - | {ipc_fails} |" in page, page
         assert "IPC collective #wrong = 0: not shown: 7 run(s) did not finish" in page, page
         assert "An IPC run failed, so gpu_check.sh ran AllReduce staged" in page
         archived = ["staged-allreduce-2.json"]
