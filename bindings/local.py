@@ -70,8 +70,9 @@ class LocalWorld:
         self.failure: BaseException | None = None
         self.failed_rank: int | None = None
         self.shared: dict[Any, Any] = {}  # objects every rank of the world uses (setdefault)
-        # Threads alive before this world: neither its ranks nor started by them.
-        self._threads_before = {thread.ident for thread in threading.enumerate()}
+        # Threads that have posted in this world: a rank's own threads among them may post
+        # again (an idle thread that never posts, a pool's worker, cannot end a deadlock).
+        self._posters: set[int] = set()
 
     def endpoint(self, rank: int, channel: str = "collective") -> LocalTransport:
         return LocalTransport(self, rank, channel)
@@ -123,6 +124,7 @@ class LocalWorld:
             mine, theirs = self._unmatched_recvs, self._unmatched_sends
         with self._lock:
             self._raise_if_failed(request.rank)
+            self._posters.add(threading.get_ident())
             waiting = theirs.get(key)
             if not waiting:
                 mine[key].append(request)
@@ -199,12 +201,11 @@ class LocalWorld:
                 and not any(r._done for r in self._waiting.values()))
 
     def _threads_started_by_ranks(self) -> int:
-        """Live threads neither pycoll's own (ranks, async workers) nor there before this
-        world: a rank's, which may post with its rank's communicator (a rank computing while
-        its helper thread waits is no deadlock)."""
+        """Live threads, not pycoll's own (ranks, async workers), that have posted here: a
+        rank's, which may post again with its rank's communicator (a rank computing while its
+        helper thread waits is no deadlock)."""
         return sum(1 for thread in threading.enumerate()
-                   if thread.ident not in self._threads_before
-                   and not thread.name.startswith("pycoll-"))
+                   if thread.ident in self._posters and not thread.name.startswith("pycoll-"))
 
     def _report_deadlock(self) -> None:
         waits = "; ".join(

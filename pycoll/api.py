@@ -1034,6 +1034,8 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
         raise comm.timed_out(what, late) from None
     except CollectiveTimeout as late:  # the exchange as a collective of its own
         raise _broken(comm, CollectiveTimeout(f"{what}: {late}")) from None
+    except ChannelsCrossed as error:  # the shared-memory exchange, with a peer in the rings
+        raise _broken(comm, error) from None
 
 
 def _prepare(comm: Communicator, key: tuple) -> PreparedCall:

@@ -236,13 +236,21 @@ class Communicator:
             except WaitTimeout as late:  # in-process: a rank of the node did not come
                 raise self.timed_out("the first collective (connecting shared memory)",
                                       late) from None
-            if self.mpi_comm is not None:
-                from pycoll import select
-
-                select.share_tuning(self)  # here, where every rank is, whatever its path
-            self._host = host
-            self._apply_timeout()
+            self._host = host  # kept if the sharing below fails (an unreadable tuning file):
+            self._apply_timeout()  # the scheduled calls' topology_for shares again, and raises
+            if self.mpi_comm is not None and self.host_kind() not in self.topologies:
+                self.share_costs()  # here, where every rank is, whatever its path
         return self._host
+
+    def share_costs(self) -> None:
+        """Under MPI, rank 0's tuned costs (host arrays' and device arrays') on every rank,
+        so that all choose alike (``select.share_tuning``). Collective: made by the first
+        collective of each rank, whatever its path (the host transport's making, or a first
+        device call), within the timeout."""
+        from pycoll import select
+
+        self.all_arrive("the first collective (sharing the tuning file's costs)")
+        select.share_tuning(self)
 
     def host_transport_made(self) -> bool:
         """Whether ``host_transport`` has been made (by a first collective)."""

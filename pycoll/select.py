@@ -230,7 +230,13 @@ def topology_for(comm, space, alone: bool = False) -> model.Topology:
     if cached is not None:
         return cached
     if comm.mpi_comm is not None and not alone:
-        comm.host_transport()  # made by every rank together, which shares rank 0's costs
+        # every rank together: host arrays' first call makes the host transport (whatever
+        # its path, the one-shot's too), which shares rank 0's costs; device arrays' shares
+        # them alone (a device-only program makes no shared memory for host arrays)
+        if kind != "cuda":
+            comm.host_transport()
+        if kind not in comm.topologies:  # the device's first call, or costs since cleared
+            comm.share_costs()
         return comm.topologies[kind]
     topology = _costs(model.nearest(model.load_tuning().get(kind, []), comm.size), kind, comm)
     if not alone:  # in-process: every rank reads the same file

@@ -268,4 +268,8 @@ def tune(path=None, repeats: int = 15, sizes: list[int] | None = None,
         for tuned in results:
             print_(tuned.report())
         print_(f"# wrote {written}")
+    if world.mpi_comm is not None:
+        # the world's calls from here on choose by what was just written (its costs were
+        # shared by its first call, before); every rank waits here for rank 0's writing
+        select.share_tuning(world)
     return results

@@ -178,7 +178,7 @@ def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = 
               ) -> list[np.ndarray]:
     """Every rank's ``mine`` (flat; ``sizes``: each rank's element count, when they differ),
     in rank order: raw bytes posted straight on the host transport, with a tag of their own."""
-    from pycoll.bindings.transport import WaitTimeout
+    from pycoll.bindings.transport import ChannelsCrossed, WaitTimeout
 
     if sizes is None:
         sizes = [mine.size] * comm.size
@@ -193,6 +193,9 @@ def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = 
         transport.waitall(requests)
     except WaitTimeout as late:
         raise comm.timed_out(f"{name} (verification)", late) from None
+    except ChannelsCrossed as error:  # a message left in a ring: no later call can run
+        comm.broken = str(error)
+        raise
     return [g.view(mine.dtype) for g in got]
 
 

@@ -136,6 +136,32 @@ def test_a_rank_whose_own_thread_waits_while_a_peer_computes_is_no_deadlock(monk
     assert run(2, body)[0] == ([1, 1], [2, 2])
 
 
+@pytest.mark.parametrize("idle", ["pool", "event"])
+def test_a_thread_that_never_posts_leaves_a_deadlock_reported(monkeypatch, idle):
+    """A rank's thread that never posts (a pool's idle worker, a thread waiting on an Event)
+    cannot end a deadlock: it must not turn the verdict off (every live thread counted did)."""
+    import concurrent.futures
+
+    monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
+    release = threading.Event()
+
+    def body(rank):
+        if rank == 0 and idle == "pool":
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            pool.submit(lambda: None).result()
+        elif rank == 0:
+            threading.Thread(target=release.wait, daemon=True).start()
+        pycoll.recv(np.zeros(3), 1 - rank, tag=1)  # both receive: nothing can come
+
+    started = time.monotonic()
+    try:
+        with pytest.raises((pycoll.Deadlock, pycoll.PeerFailed), match="deadlock"):
+            run(2, body)
+    finally:
+        release.set()
+    assert time.monotonic() - started < 10
+
+
 def test_a_deadlock_with_a_rank_started_thread_is_still_reported(monkeypatch):
     """Rank 1 returns without sending: rank 0 and its thread wait for nothing that can
     come, and both are counted as blocked."""

@@ -87,6 +87,45 @@ def test_a_rank_missing_from_a_first_step_times_out():
             assert f"rank {rank} {name}: {what}: rank {rank} waited 0.5 s for rank(s) 1" in output
 
 
+def test_a_rank_missing_from_the_first_call_over_mpi_messages_times_out():
+    """Over MPI messages the first collective shares rank 0's tuned costs (a broadcast):
+    within the timeout too, though no shared memory is connected."""
+    done = launch(3, "-c", FIRST_STEPS_LATE.split("comm = pycoll.Communicator()")[0]
+                  + "comm = pycoll.Communicator()\n"
+                  + 'attempt("first", lambda: pycoll.allreduce(np.ones(3), comm=comm))\n',
+                  timeout=60, PYCOLL_TIMEOUT="0.5", PYCOLL_HOST_TRANSPORT="mpi")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in (0, 2):
+        assert (f"rank {rank} first: the first collective (sharing the tuning file's costs): "
+                f"rank {rank} waited 0.5 s for rank(s) 1") in output, output
+
+
+DEVICE_ONLY = f"""
+import sys
+sys.path.insert(0, {str(HERE.parent)!r})
+import numpy as np
+from fake_device import SharedFileDevice, device_array, host_array
+import pycoll
+from pycoll import spaces
+comm = pycoll.world()
+spaces.register(SharedFileDevice(seed=comm.rank))
+y = host_array(pycoll.allreduce(device_array(np.arange(8.0) + comm.rank)))
+print(f"rank {{comm.rank}}: right {{y.tolist() == (3 * np.arange(8.0) + 3).tolist()}}, host "
+      f"transport made {{comm.host_transport_made()}}", flush=True)
+"""
+
+
+def test_a_device_only_program_makes_no_host_transport():
+    """Device arrays' first call shares the tuned costs alone: no shared memory for host
+    arrays (tens of MiB of /dev/shm per rank), which it never uses."""
+    done = launch(3, "-c", DEVICE_ONLY, timeout=60)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in range(3):
+        assert f"rank {rank}: right True, host transport made False" in output, output
+
+
 COUNTS_DISAGREE = """
 import numpy as np, pycoll
 rank = pycoll.world().rank

@@ -241,6 +241,36 @@ def test_tune_and_compare_under_mpiexec(tmp_path):
     assert "tuned at 2 ranks" in table
 
 
+TUNE_THEN_CALL = """
+import pycoll
+from pycoll import model, select, tune
+from pycoll.spaces import HOST
+world = pycoll.world()
+tune.tune(None, repeats=1, sizes=[8, 64, 4096], local_ranks=(), print_=lambda line: None)
+used = select.topology_for(world, HOST)
+saved = model.nearest(model.load_tuning()[world.host_kind()], world.size)
+print(f"rank {world.rank} uses the new costs: {used.intra == saved.intra}", flush=True)
+"""
+
+
+def test_tune_in_a_program_sets_the_costs_its_later_calls_use(tmp_path):
+    """The world's costs are shared by its first call; tune's own calls came first, so the
+    world went on choosing by the costs from before tuning."""
+    import os
+    import subprocess
+    import sys
+
+    from test_mpi import mpiexec
+
+    env = {**os.environ, "PYCOLL_TUNING": str(tmp_path / "tuning.json")}
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", TUNE_THEN_CALL],
+                          capture_output=True, text=True, timeout=180, env=env)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "rank 0 uses the new costs: True" in output and "rank 1 uses the new costs: True" \
+        in output, output
+
+
 def test_the_soak_runs_in_process():
     import runpy
 
