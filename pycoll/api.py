@@ -44,6 +44,7 @@ def allreduce(
 ) -> Array:
     """Combine ``x`` over all ranks with ``op``; every rank gets the whole result."""
     if async_op:
+        _async_flag(async_op, "allreduce")
         return _submit(allreduce, "allreduce", x, op, out=out, comm=comm, algorithm=algorithm,
                        stream=stream)
     comm = _comm(comm)
@@ -209,6 +210,7 @@ def reduce_scatter(
 ) -> Array:
     """Combine ``x`` over all ranks; rank r gets rows ``sum(counts[:r])`` up to the next."""
     if async_op:
+        _async_flag(async_op, "reduce_scatter")
         return _submit(reduce_scatter, "reduce_scatter", x, op, counts=counts, out=out, comm=comm,
                        algorithm=algorithm, stream=stream)
     comm = _comm(comm)
@@ -279,6 +281,7 @@ def allgather(
     ``counts[r]`` rows.
     """
     if async_op:
+        _async_flag(async_op, "allgather")
         return _submit(allgather, "allgather", x, counts=counts, out=out, comm=comm,
                        algorithm=algorithm, stream=stream)
     comm = _comm(comm)
@@ -340,6 +343,7 @@ def broadcast(
 ) -> Array:
     """Copy root's ``x`` into every rank's ``x`` (in place); returns ``x``."""
     if async_op:
+        _async_flag(async_op, "broadcast")
         return _submit(broadcast, "broadcast", x, root, comm=comm, algorithm=algorithm,
                        stream=stream)
     comm = _comm(comm)
@@ -389,6 +393,7 @@ def reduce(
 ) -> Array | None:
     """Combine ``x`` over all ranks at ``root``; returns the result there, None elsewhere."""
     if async_op:
+        _async_flag(async_op, "reduce")
         return _submit(reduce, "reduce", x, op, root, out=out, comm=comm, algorithm=algorithm,
                        stream=stream)
     comm = _comm(comm)
@@ -450,6 +455,7 @@ def alltoall(
 ) -> Array:
     """Rank r sends its j-th equal piece of ``x`` to rank j; pieces arrive in source order."""
     if async_op:
+        _async_flag(async_op, "alltoall")
         return _submit(alltoall, "alltoall", x, out=out, comm=comm, stream=stream)
     comm = _comm(comm)
     known = None
@@ -489,6 +495,7 @@ def alltoallv(
     ``recv_counts`` are checked against what the peers send, on every rank.
     """
     if async_op:
+        _async_flag(async_op, "alltoallv")
         return _submit(alltoallv, "alltoallv", x, send_counts, recv_counts, comm=comm,
                        stream=stream)
     comm = _comm(comm)
@@ -557,6 +564,7 @@ def send(
     (in-process always; device arrays: the copy is enqueued on ``dst``'s stream), or MPI has
     buffered it (a short message, as MPI_Send may). Programs must not rely on either."""
     if async_op:
+        _async_flag(async_op, "send")
         return _posted(comm, "send", x, dst, tag, stream) or _submit(
             send, "send", x, dst, tag, comm=comm, stream=stream, lane=("send", _number(dst)))
     comm, space, dst, tag = _point_to_point_arguments(comm, "send", x, dst, tag)
@@ -572,6 +580,7 @@ def recv(
 ) -> Array:
     """Receive into ``out`` what rank ``src`` sends with ``tag``; returns ``out``."""
     if async_op:
+        _async_flag(async_op, "recv")
         return _posted(comm, "recv", out, src, tag, stream) or _submit(
             recv, "recv", out, src, tag, comm=comm, stream=stream, lane=("recv", _number(src)))
     comm, space, src, tag = _point_to_point_arguments(comm, "recv", out, src, tag)
@@ -679,6 +688,7 @@ def plan(
 def barrier(comm: Communicator | None = None, *, async_op: bool = False) -> Any:
     """Return only once every rank of ``comm`` has entered the barrier."""
     if async_op:
+        _async_flag(async_op, "barrier")
         return _submit(barrier, "barrier", comm=comm)
     comm = _comm(comm)
     shared = comm.one_shot_for(Collective.ALLREDUCE)
@@ -708,6 +718,12 @@ def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _async_flag(async_op: Any, what: str) -> None:
+    """A true ``async_op`` must be True (numpy's too): "no" or 1.5 would run asynchronously."""
+    if async_op is not True and not isinstance(async_op, np.bool_):
+        raise ValueError(f"{what}: async_op={async_op!r} is invalid; allowed: True or False")
 
 
 def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs: Any) -> Any:

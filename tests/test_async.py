@@ -350,3 +350,31 @@ def test_free_ends_the_async_workers():
         return False
 
     assert pycoll.run_local(2, body) == [True, True]
+
+
+@pytest.mark.parametrize("call", [
+    lambda flag: pycoll.allreduce(np.ones(2), async_op=flag),
+    lambda flag: pycoll.reduce_scatter(np.ones(2), async_op=flag),
+    lambda flag: pycoll.allgather(np.ones(2), async_op=flag),
+    lambda flag: pycoll.broadcast(np.ones(2), async_op=flag),
+    lambda flag: pycoll.reduce(np.ones(2), async_op=flag),
+    lambda flag: pycoll.alltoall(np.ones(2), async_op=flag),
+    lambda flag: pycoll.alltoallv(np.ones(2), [2], async_op=flag),
+    lambda flag: pycoll.barrier(async_op=flag),
+])
+def test_async_op_takes_a_bool_and_names_anything_else(call):
+    """async_op="no" ran asynchronously (any truthy value did)."""
+    with pytest.raises(ValueError, match=r"async_op='no' is invalid; allowed: True or False"):
+        pycoll.run_local(1, lambda: call("no"))
+    assert pycoll.run_local(1, lambda: (call(np.True_).wait(), True)[1]) == [True]
+
+
+def test_point_to_point_async_op_takes_a_bool():
+    def body():
+        for call in (lambda: pycoll.send(np.ones(2), 1, async_op="no"),
+                     lambda: pycoll.recv(np.ones(2), 1, async_op="no")):
+            with pytest.raises(ValueError, match="async_op='no' is invalid"):
+                call()
+        return True
+
+    assert pycoll.run_local(2, lambda: pycoll.world().rank == 1 or body()) == [True, True]
