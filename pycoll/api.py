@@ -126,11 +126,14 @@ def one_shot_serves(comm: Communicator, collective: Collective, nbytes: int) -> 
     through the shared-memory one-shot (every rank's input through the slots), not a
     schedule (so no plan is made and PYCOLL_DEBUG reports none)."""
     shared = comm.one_shot_for(collective)
-    if shared is None:
-        return False
-    limit = shared.small_bytes if collective is Collective.ALLREDUCE else min(
-        shared.small_bytes, SMALL_EXCHANGE_BYTES)
-    return nbytes <= limit
+    return shared is not None and nbytes <= _one_shot_limit(collective, shared.small_bytes)
+
+
+def _one_shot_limit(collective: Collective, small_bytes: int) -> int:
+    """The most bytes per rank a one-shot call of ``collective`` takes (``small_bytes``: the
+    slot's)."""
+    return small_bytes if collective is Collective.ALLREDUCE else min(small_bytes,
+                                                                       SMALL_EXCHANGE_BYTES)
 
 
 def _one_shot_would_serve(comm: Communicator, collective: Collective, nbytes: int) -> bool:
@@ -143,9 +146,7 @@ def _one_shot_would_serve(comm: Communicator, collective: Collective, nbytes: in
     if (comm.host_kind() != "shm" or len(set(comm.nodes())) > 1
             or select.forced_algorithm(collective) is not None):
         return False
-    small = shm.small_bytes_from_env()
-    return nbytes <= (small if collective is Collective.ALLREDUCE
-                      else min(small, SMALL_EXCHANGE_BYTES))
+    return nbytes <= _one_shot_limit(collective, shm.small_bytes_from_env())
 
 
 def _small_exchange(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,
@@ -183,7 +184,7 @@ def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndar
     except WaitTimeout as late:
         raise comm.timed_out(f"{name} (one-shot)", late) from None
     except ChannelsCrossed as error:
-        raise _broken(comm, error) from None
+        raise comm.broken_by(error) from None
 
 
 def _sum_in_rank_order(out: np.ndarray, parts: tuple, reduce: Any) -> None:
@@ -1015,13 +1016,7 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
         run(program, source, target, transport, tag, call.reduce, space, scratch, call.what,
             comm.traffic.add, call.reduce_n, call.reduce_copy, call.copy_pair)
     except (CollectiveTimeout, ChannelsCrossed) as error:
-        raise _broken(comm, error) from None
-
-
-def _broken(comm: Communicator, error: Exception) -> Exception:
-    """Mark ``comm`` broken by ``error`` (later calls fail at once); returns ``error``."""
-    comm.broken = str(error)
-    return error
+        raise comm.broken_by(error) from None
 
 
 _ROWS = (Collective.ALLGATHER, Collective.REDUCE_SCATTER, Collective.ALLTOALL)  # split by row
@@ -1049,9 +1044,9 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
     except WaitTimeout as late:  # the shared-memory exchange
         raise comm.timed_out(what, late) from None
     except CollectiveTimeout as late:  # the exchange as a collective of its own
-        raise _broken(comm, CollectiveTimeout(f"{what}: {late}")) from None
+        raise comm.broken_by(CollectiveTimeout(f"{what}: {late}")) from None
     except ChannelsCrossed as error:  # the shared-memory exchange, with a peer in the rings
-        raise _broken(comm, error) from None
+        raise comm.broken_by(error) from None
 
 
 def _prepare(comm: Communicator, key: tuple) -> PreparedCall:

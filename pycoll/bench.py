@@ -15,13 +15,15 @@
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import json
 import os
 import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TextIO
 
 import numpy as np
@@ -545,10 +547,17 @@ def write_json(rows: list[Row], path: str) -> None:
 
 
 def write_csv(rows: list[Row], path: str) -> None:
-    names = list(asdict(rows[0])) if rows else []
-    lines = [",".join(names)]
-    lines += [",".join("" if v is None else str(v) for v in asdict(r).values()) for r in rows]
-    _write("\n".join(lines), path)
+    write_records_csv([field.name for field in fields(Row)], [asdict(r) for r in rows], path)
+
+
+def write_records_csv(names: list[str], records: list[dict], path: str) -> None:
+    """Records as CSV with a header of ``names`` ('-': stdout); None and missing keys are
+    empty."""
+    text = io.StringIO()
+    writer = csv.DictWriter(text, names, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(records)
+    write_whole(text.getvalue(), path)
 
 
 def _write(text: str, path: str) -> None:

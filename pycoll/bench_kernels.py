@@ -30,10 +30,8 @@ fails (to compile, say) gives a row with ``error`` set, and the others still run
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
-import io
 import itertools
 import json
 import math
@@ -312,14 +310,10 @@ def write_json(rows: list[KernelRow], path: str) -> None:
 
 def write_csv(rows: list[KernelRow], path: str) -> None:
     """Write the rows as CSV to ``path`` ('-': stdout); an unmeasured row's numbers are empty."""
-    from pycoll.bench import write_whole
+    from pycoll.bench import write_records_csv
 
-    names = [field.name for field in dataclasses.fields(KernelRow)]
-    text = io.StringIO()
-    writer = csv.DictWriter(text, names, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(_record(r) for r in rows)
-    write_whole(text.getvalue(), path)
+    write_records_csv([field.name for field in dataclasses.fields(KernelRow)],
+                      [_record(r) for r in rows], path)
 
 
 def stream_rows(json_path: str | None = None, csv_path: str | None = None,

@@ -328,9 +328,15 @@ class Communicator:
 
     def timed_out(self, what: str, late: WaitTimeout) -> CollectiveTimeout:
         """The error for a wait of ``what`` past its deadline; this communicator is broken."""
-        self.broken = (f"{what}: rank {self.rank} waited {late.seconds:g} s for rank(s) "
-                       f"{', '.join(map(str, late.peers))}")
-        return CollectiveTimeout(self.broken)
+        return self.broken_by(CollectiveTimeout(
+            f"{what}: rank {self.rank} waited {late.seconds:g} s for rank(s) "
+            f"{', '.join(map(str, late.peers))}"))
+
+    def broken_by(self, error: Exception) -> Exception:
+        """Mark this communicator broken by ``error`` (later calls fail at once, saying why);
+        returns ``error``."""
+        self.broken = str(error)
+        return error
 
     def _make_host_transport(self) -> Any:
         from pycoll.bindings import shm

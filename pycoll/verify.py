@@ -194,8 +194,7 @@ def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = 
     except WaitTimeout as late:
         raise comm.timed_out(f"{name} (verification)", late) from None
     except ChannelsCrossed as error:  # a message left in a ring: no later call can run
-        comm.broken = str(error)
-        raise
+        raise comm.broken_by(error) from None
     return [g.view(mine.dtype) for g in got]
 
 
