@@ -11,8 +11,9 @@ Semantics, chosen to match NCCL:
 * ``reduce_into`` works in place, in the buffer's own dtype, with the numpy ufunc
   (``np.add``, ``np.multiply``, ``np.minimum``, ``np.maximum``) and ``out=dst``, so
   it allocates nothing for the common dtypes. Integer overflow wraps silently, as
-  in C; float overflow gives inf and NaN propagates through min/max, without
-  numpy warnings.
+  in C; float overflow gives inf and NaN propagates through min/max, with numpy's
+  usual RuntimeWarning but never an error, even where the caller's ``np.errstate`` or
+  warning filters would raise one (only the ranks that overflowed would raise).
 * ``avg`` combines exactly like ``sum``; the division by the rank count happens
   once, in ``finish``. For floats and complex the quotient is rounded once to the
   array's dtype (complex divides the real and imaginary parts separately). For
@@ -189,15 +190,21 @@ def reducer(op: ReduceOp, dtype: np.dtype) -> Callable[..., None]:
     Validated once per (op, dtype); the executor calls the result on its hot path, where
     the arrays are known to match. IEEE floats get no ``np.errstate`` block, which would
     cost more than a small reduction: an overflow gives inf, as in C, and numpy reports it
-    with its usual RuntimeWarning, as for any numpy add. bfloat16 keeps one, since ml_dtypes
-    warns spuriously when min/max meet a NaN.
+    with its usual RuntimeWarning, as for any numpy add (never an error: see below).
+    bfloat16 keeps one, since ml_dtypes warns spuriously when min/max meet a NaN.
     """
     check_op_for_dtype(op, dtype)
     ufunc = _UFUNCS[op]
     if np.dtype(dtype) != _BFLOAT16:
 
         def reduce(dst: np.ndarray, src: np.ndarray, first: np.ndarray | None = None) -> None:
-            ufunc(dst if first is None else first, src, out=dst)
+            try:
+                ufunc(dst if first is None else first, src, out=dst)
+            except (FloatingPointError, RuntimeWarning):
+                # np.errstate(over="raise") or warnings as errors: numpy raises after the
+                # loop has written inf. Raising on the ranks whose piece overflowed alone
+                # would leave the others waiting; the collective gives inf, as MPI does.
+                pass
 
         return reduce
 

@@ -503,6 +503,9 @@ def alltoallv(
     space = _space(x, "alltoallv")
     select.forced_algorithm(Collective.ALLTOALL)
     rows = _rows(x, "alltoallv")
+    if send_counts is None:  # _counts would split evenly: that is alltoall
+        raise ValueError(f"alltoallv: send_counts=None is invalid; allowed: {comm.size} "
+                         "non-negative ints, one per rank (or alltoall(x) for even rows)")
     send_counts = _counts(send_counts, rows, comm.size, "alltoallv", "len(x)", "send_counts")
     if recv_counts is not None:
         recv_counts = _counts(recv_counts, None, comm.size, "alltoallv", "", "recv_counts")
@@ -782,10 +785,7 @@ def _comm(comm: Communicator | None, drain: bool = True) -> Communicator:
         comm = world()
     elif not isinstance(comm, Communicator):
         raise TypeError(f"comm={comm!r} is not a pycoll.Communicator; allowed: one, or None")
-    if comm.freed:
-        raise RuntimeError(f"{comm!r} was freed (Communicator.free); allowed: a live one")
-    if comm.broken is not None:
-        raise RuntimeError(f"{comm!r} is broken ({comm.broken}); make a new communicator")
+    comm.ensure_usable()
     if drain:
         comm.drain()  # a blocking call runs after the async ones queued before it
     return comm
@@ -854,6 +854,7 @@ def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
     try:
         if isinstance(counts, dict | set | frozenset | str | bytes):  # keys, or no order
             raise TypeError
+        counts = list(counts)  # an iterator is read once
         values = [int(c) for c in counts]
         integral = all(is_int(c) for c in counts)  # not bools, not floats that happen to be
     except (TypeError, ValueError):

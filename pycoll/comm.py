@@ -45,8 +45,10 @@ class Communicator:
     def __init__(self, mpi_comm: Any = None):
         MPI = mpi()
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:
-            raise TypeError(f"mpi_comm={mpi_comm!r} is not an mpi4py communicator")
+        if not isinstance(parent, MPI.Intracomm) or parent == MPI.COMM_NULL:
+            # an intercommunicator's allgather joins the other group: making one would hang
+            raise TypeError(f"mpi_comm={mpi_comm!r} is invalid; allowed: an mpi4py "
+                            "intracommunicator (MPI.Intracomm, not COMM_NULL)")
         self.mpi_comm = parent
         self._owns_mpi_comm = False
         _abort_job_on_uncaught_exception()
@@ -150,7 +152,7 @@ class Communicator:
         self._before_switching("verify", on)
         if on:
             verification.turn_on()
-        self._verify = on
+        self._verify = bool(on)
 
     @property
     def check(self) -> bool:
@@ -162,12 +164,12 @@ class Communicator:
     @check.setter
     def check(self, on: bool) -> None:
         self._before_switching("check", on)
-        self._check = on
+        self._check = bool(on)
 
     def _before_switching(self, name: str, on: bool) -> None:
         """Refuse a switch that is not a bool; then let the async calls queued before run
         as they were asked, alike on every rank."""
-        if not isinstance(on, bool):
+        if not isinstance(on, bool | np.bool_):
             raise TypeError(f"{name}={on!r} is invalid; allowed: True or False")
         self.drain()
 
@@ -306,6 +308,13 @@ class Communicator:
             self._prune_at = max(64, 2 * len(self._posted))  # many pending: not every post
         self._posted.append(request)
 
+    def ensure_usable(self) -> None:
+        """Raise unless this communicator may be called: neither freed nor broken."""
+        if self.freed:
+            raise RuntimeError(f"{self!r} was freed (Communicator.free); allowed: a live one")
+        if self.broken is not None:
+            raise RuntimeError(f"{self!r} is broken ({self.broken}); make a new communicator")
+
     def all_arrive(self, what: str) -> None:
         """Under MPI with a timeout: wait, within it, until every rank has come to ``what``,
         a blocking MPI call that has no deadline of its own (the others would wait in it
@@ -384,11 +393,12 @@ class Communicator:
         self.host_transport()
         dtype = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))
+        if self.mpi_comm is not None:
+            self.all_arrive("empty")  # a rank alone on its node too: its tags count the call
         if self._shared is None:
             return np.empty(shape, dtype)
         nbytes = max(1, count * dtype.itemsize)
         if self.mpi_comm is not None:
-            self.all_arrive("empty")
             segments = shm.MpiSegments(self._node_comm, nbytes)
         else:
             host = self.transport
@@ -547,12 +557,14 @@ class Communicator:
         rank; ``color=None`` takes no part and gets None. Every rank of this one must call it.
         The new one starts with this one's ``timeout``, ``check`` and ``verify``.
         """
-        if self.freed:
-            raise RuntimeError(f"{self!r} was freed (Communicator.free); allowed: a live one")
-        if color is not None and (not is_int(color) or color < 0):
-            raise ValueError(f"split: color={color!r} is invalid; allowed: an int >= 0 or None")
-        if not is_int(key):
-            raise ValueError(f"split: key={key!r} is invalid; allowed: an int")
+        self.ensure_usable()
+        # MPI_Comm_split takes C ints
+        if color is not None and (not is_int(color) or not 0 <= color < 2**31):
+            raise ValueError(f"split: color={color!r} is invalid; allowed: an int in "
+                             f"0..{2**31 - 1}, or None")
+        if not is_int(key) or not -2**31 <= key < 2**31:
+            raise ValueError(f"split: key={key!r} is invalid; allowed: an int in "
+                             f"{-2**31}..{2**31 - 1}")
         color, key = None if color is None else int(color), int(key)  # numpy ints too
         self.drain()  # the async collectives queued before it use this communicator's MPI
         if self.mpi_comm is not None:
@@ -915,8 +927,9 @@ def run_local(nranks: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     Returns the per-rank results in rank order. If any rank raises, the others are released
     and that exception is raised here; a deadlock raises :class:`Deadlock` instead of hanging.
     """
-    if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1:
+    if not is_int(nranks) or nranks < 1:
         raise ValueError(f"nranks={nranks!r} is not a rank count; allowed: an int >= 1")
+    nranks = int(nranks)
 
     def body(rank: int, local_world: LocalWorld) -> Any:
         _default.comm = _local(local_world, rank)

@@ -154,11 +154,15 @@ def plan_for(
             families, reason = [forced], f"forced by {ALGO_ENV}"
     else:
         families, reason = [algorithm], f"algorithm={algorithm!r}"
-    segments = None if FORCED_SEGMENTS is None else (FORCED_SEGMENTS,)
-    if segments is None and not topology.segments:
-        segments = (1,)
+    segments = None
     if FORCED_SEGMENTS is not None:
+        # more segments than elements add only empty messages (100 000 took a minute)
+        segments = (min(FORCED_SEGMENTS, max(1, nbytes // itemsize)),)
         reason += f", PYCOLL_SEGMENTS={FORCED_SEGMENTS}"
+        if segments[0] < FORCED_SEGMENTS:
+            reason += f" (at most one per element: {segments[0]})"
+    elif not topology.segments:
+        segments = (1,)
     found = rank_candidates(collective, nbytes, nranks, topology, itemsize, root, families,
                             segments)
     best = found[0]

@@ -137,6 +137,10 @@ def test_turning_the_check_on_waits_for_the_async_calls_before(monkeypatch):
     assert run(body) == [([float(NRANKS)] * 8,) * 2] * NRANKS
     with pytest.raises(TypeError, match="check=1 is invalid; allowed: True or False"):
         pycoll.world().check = 1
+    comm = pycoll.world()
+    comm.check = np.True_  # numpy's bools, as async_op takes them
+    assert comm.check is True
+    comm.check = False
 
 
 def test_a_bad_setting_is_named(monkeypatch):

@@ -335,3 +335,26 @@ def test_world_outside_run_local_is_one_rank():
     x = np.arange(5.0)
     np.testing.assert_array_equal(pycoll.allreduce(x), x)
     assert pycoll.world().size == 1 and pycoll.world().rank == 0
+
+
+@pytest.mark.parametrize("collective,algorithm", [
+    (c, a) for c in ("allreduce", "reduce_scatter", "reduce")
+    for a in ("auto", *families_for(Collective(c))) if not a.startswith("hierarchical")])
+def test_a_float_overflow_gives_inf_on_every_rank_where_numpy_would_raise(collective, algorithm):
+    """Under np.errstate(over="raise") (or warnings as errors) numpy raised on the ranks
+    whose piece overflowed, and only there: the others waited for them (a deadlock in-process,
+    crossed messages under MPI). The sum is inf everywhere, as MPI and NCCL give."""
+
+    def body():
+        rank = pycoll.world().rank
+        x = np.full(9, 3e38 if rank < 2 else 1.0, np.float32)
+        with np.errstate(all="raise"):
+            got = getattr(pycoll, collective)(x, algorithm=algorithm)
+        after = pycoll.allreduce(np.array([rank]))  # the communicator still works
+        return got, int(after[0])
+
+    results = pycoll.run_local(3, body)
+    for rank, (got, after) in enumerate(results):
+        if collective != "reduce" or rank == 0:
+            assert np.isinf(got).all(), (rank, got)
+        assert after == 3

@@ -231,10 +231,14 @@ def test_mismatched_sizes_between_ranks_are_reported():
         pycoll.run_local(2, body)
 
 
-@pytest.mark.parametrize("nranks", [0, -1, 2.5, True])
+@pytest.mark.parametrize("nranks", [0, -1, 2.5, True, np.int64(0)])
 def test_run_local_rejects_bad_rank_counts(nranks):
     with pytest.raises(ValueError, match="is not a rank count"):
         pycoll.run_local(nranks, lambda: None)
+
+
+def test_run_local_takes_a_numpy_rank_count():
+    assert pycoll.run_local(np.int64(2), lambda: pycoll.world().size) == [2, 2]
 
 
 def test_the_reliability_doc_tables_every_bad_call():
@@ -259,8 +263,15 @@ def test_the_reliability_doc_tables_every_bad_call():
     # a dict was read as its keys (named as counts[0]=0)
     (lambda: pycoll.reduce_scatter(np.arange(2), counts={0: 1, 1: 1}), ValueError,
      r"counts=\{0: 1, 1: 1\} is invalid; allowed: 2 non-negative ints"),
-    # its remedy named a counts= alltoallv does not take
-    (lambda: pycoll.alltoallv(np.arange(7), None), ValueError, r"pass send_counts=\[\.\.\.\]"),
+    # send_counts is alltoallv's whole point: None split evenly (as alltoall), and once named
+    # a counts= it does not take
+    (lambda: pycoll.alltoallv(np.arange(7), None), ValueError,
+     r"alltoallv: send_counts=None is invalid; allowed: 2 non-negative ints, one per rank "
+     r"\(or alltoall\(x\) for even rows\)"),
+    (lambda: pycoll.alltoallv(np.arange(4), None), ValueError, r"send_counts=None is invalid"),
+    # an iterator's values were read once, so the check for ints saw none (2.5 ran as 2)
+    (lambda: pycoll.reduce_scatter(np.arange(4), counts=iter([1.5, 2.5])), ValueError,
+     r"counts=\[1.5, 2.5\] is invalid; allowed: 2 non-negative ints"),
     (lambda: pycoll.reduce_scatter(np.arange(2), counts=[True, True]), ValueError,
      r"counts=\[True, True\] is invalid; allowed: 2 non-negative ints"),
     (lambda: pycoll.reduce_scatter(np.arange(2), counts=[1.0, 1.0]), ValueError,

@@ -72,13 +72,22 @@ def test_send_and_recv_inside_a_sub_communicator_use_its_rank_numbers():
     assert pycoll.run_local(4, body) == [0, 0, 0, 1]
 
 
-@pytest.mark.parametrize("color", [-1, 1.5, True, "a", np.bool_(True), np.int64(-2)])
+@pytest.mark.parametrize("color", [-1, 1.5, True, "a", np.bool_(True), np.int64(-2), 2**31])
 def test_split_rejects_bad_colors(color):
     def body():
         pycoll.world().split(color)
 
-    with pytest.raises(ValueError, match="color=.* is invalid; allowed: an int >= 0 or None"):
+    with pytest.raises(ValueError,
+                       match=r"color=.* is invalid; allowed: an int in 0\.\.2147483647, or None"):
         pycoll.run_local(2, body)
+
+
+@pytest.mark.parametrize("key", [2**31, -2**31 - 1, 1.5])
+def test_split_rejects_keys_mpi_cannot_take(key):
+    """MPI_Comm_split takes C ints: 2**63 raised OverflowError naming no argument."""
+    with pytest.raises(ValueError, match=r"key=.* is invalid; allowed: an int in "
+                                         r"-2147483648\.\.2147483647"):
+        pycoll.run_local(2, lambda: pycoll.world().split(0, key))
 
 
 @pytest.mark.parametrize("ranks", [[], [0, 0], [5], [True], [np.int64(0), 0], 5, None])

@@ -101,6 +101,37 @@ def test_a_rank_missing_from_the_first_call_over_mpi_messages_times_out():
                 f"rank {rank} waited 0.5 s for rank(s) 1") in output, output
 
 
+LONE_RANK = """
+import numpy as np, pycoll
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+inter = world.Split(world.rank % 2, world.rank).Create_intercomm(0, world, 1 - world.rank % 2, 7)
+try:
+    pycoll.Communicator(inter)  # its allgather would join the other group: it hung
+except TypeError as error:
+    print(f"rank {world.rank} intercomm: {error}", flush=True)
+comm = pycoll.world()
+pycoll.allreduce(np.ones(2))
+x = pycoll.empty(4)  # rank 2 is alone on its node: it shares no window, yet takes part
+x[:] = 1
+print(f"rank {comm.rank} then: {pycoll.allreduce(x).tolist()}", flush=True)
+"""
+
+
+def test_an_intercommunicator_is_named_and_a_lone_rank_takes_part_in_empty():
+    """Communicator(intercomm) hung in its first allgather; pycoll.empty on a rank alone on
+    its node skipped the arrival the others made within PYCOLL_TIMEOUT, so their tags parted
+    and every later call failed."""
+    done = launch(3, "-c", LONE_RANK, timeout=60, PYCOLL_TIMEOUT="10",
+                  PYCOLL_RANKS_PER_NODE="2")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in range(3):
+        assert (f"rank {rank} intercomm: mpi_comm=<mpi4py.MPI.Intercomm object" in output
+                and "allowed: an mpi4py intracommunicator" in output), output
+        assert f"rank {rank} then: [3.0, 3.0, 3.0, 3.0]" in output, output
+
+
 DEVICE_ONLY = f"""
 import sys
 sys.path.insert(0, {str(HERE.parent)!r})

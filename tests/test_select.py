@@ -220,3 +220,16 @@ def test_each_on_off_setting_is_read_through_the_switch(monkeypatch):
         with pytest.raises(ValueError, match=f"{name}='yes'"):
             read()
         monkeypatch.delenv(name)
+
+
+def test_forced_segments_stop_at_one_per_element(segments):
+    """PYCOLL_SEGMENTS=100000 on an 8-element ring AllReduce played 100 000 empty segments
+    (a minute): at most one segment per element."""
+    segments(100000)
+    plan = select.plan_for(Collective.ALLREDUCE, 64, 2, "ring", itemsize=8)
+    assert plan.nsegments == 8
+    assert "PYCOLL_SEGMENTS=100000 (at most one per element: 8)" in plan.reason
+    assert pycoll.run_local(2, lambda: pycoll.allreduce(np.ones(8), algorithm="ring").tolist()
+                            ) == [[2.0] * 8] * 2
+    segments(3)
+    assert select.plan_for(Collective.ALLREDUCE, 64, 2, "ring", itemsize=8).nsegments == 3
