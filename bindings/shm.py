@@ -57,6 +57,7 @@ RING_BYTES = 8 << 20  # per peer: the stream to that peer
 SMALL_BYTES = 2 << 20  # one-shot AllReduce slot; larger calls take the schedules
 SMALL_VIEWS_KEPT = 1024  # (dtype, count) shapes of one-shot calls whose slot views are kept
 _FROM_PROCESS = -2  # a send's ``window`` when the receiver reads the sender's own memory
+_NEVER = float("inf")  # no deadline (float("inf") costs a call, on every small call)
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -236,13 +237,17 @@ class SharedMemoryTransport:
         self._piece = max(MIN_PIECE, ring_bytes // 4 // LINE * LINE)
         self.small_bytes = small_bytes
         self.timeout: float | None = None  # seconds each wait may take (None: no deadline)
-        self._deadline = float("inf")
+        self._deadline = _NEVER
         layout = _Layout(count, ring_bytes, small_bytes)
         self._layout = layout
         seg = segments.segments
         self._control = [s[: layout.control].view(np.int64) for s in seg]
         self._my_control = self._control[self._me]
         self._peer_controls = [(i, c) for i, c in enumerate(self._control) if i != self._me]
+        # the same words as memoryviews, for the one-shot's hot path: an index reads or
+        # writes one aligned int64 as numpy's does, but gives a Python int (no numpy scalar)
+        self._my_words = memoryview(self._my_control)
+        self._peer_words = [(i, memoryview(c)) for i, c in self._peer_controls]
         self._head_word = layout.head(self._me)  # in a peer's control: its stream to me
         self._tail_word = layout.tail(self._me)  # in a peer's control: what it read of mine
         self._my_control[:] = 0  # MPI does not zero a window; peers read it after a barrier
@@ -258,7 +263,7 @@ class SharedMemoryTransport:
         self._tails = [0] * count
         self._small_seq = 0
         self._small_views: dict[tuple, tuple] = {}
-        self.ops: dict[tuple, tuple] = {}  # (dtype, op as given) -> (op, reducer, call), checked
+        self.ops: dict[tuple, tuple] = {}  # (dtype, op as given) -> (op, reducer, call, ufunc)
         self._readable = [False] * count  # peers whose memory this rank can read (CMA)
         self._read_by = [False] * count  # peers that can read this rank's memory
         self._scratch: np.ndarray | None = None  # a reduction's piece of a peer's array
@@ -343,7 +348,7 @@ class SharedMemoryTransport:
                     r.after, before = before, r
         pending = [r for r in requests if not r.done_]
         idle = 0
-        self._deadline = float("inf") if self.timeout is None else time.monotonic() + self.timeout
+        self._deadline = _NEVER if self.timeout is None else time.monotonic() + self.timeout
         crossed = None  # made at the first idle poll: most waits never poll idly
         while pending:
             progressed = False
@@ -584,23 +589,24 @@ class SharedMemoryTransport:
             self._small_views[key] = entry
         views, signature = entry
         slots = views[seq & 1]
-        self._deadline = float("inf") if self.timeout is None else time.monotonic() + self.timeout
+        self._deadline = _NEVER if self.timeout is None else time.monotonic() + self.timeout
         slots[self._me][...] = x
         flag = self._layout.small_flag
         agreed = flag + 1 + (seq & 1)  # per slot: a peer one call ahead writes the other
-        self._my_control[agreed] = signature
-        self._my_control[agreed + 2] = call
+        mine = self._my_words
+        mine[agreed] = signature
+        mine[agreed + 2] = call
         self._fence()
-        self._my_control[flag] = seq
-        for i, control in self._peer_controls:
+        mine[flag] = seq
+        for i, control in self._peer_words:
             if control[flag] < seq:
                 idle = 0
 
-                def crossed(i: int = i, control: np.ndarray = control) -> None:
+                def crossed(i: int = i, control: memoryview = control) -> None:
                     # a peer behind this call with a message in the rings for this rank
                     # (which finished every call before): it took the rings for this one;
                     # unless it has just published (then pushed a later call's message)
-                    if int(control[self._head_word]) == self._tails[i]:
+                    if control[self._head_word] == self._tails[i]:
                         return
                     self._fence()
                     if control[flag] < seq:
@@ -615,20 +621,20 @@ class SharedMemoryTransport:
                     idle = self._idle(idle, (i,), crossed)
         self._fence()
         self._small_seq = seq  # published, so spent even when the ranks disagree below
-        for i, control in self._peer_controls:
-            if control[agreed + 2] != call and control[agreed] == signature:
-                raise ValueError(
-                    f"{collective}: rank {self.rank} and rank {self.local[i]} passed a "
-                    "different op, root or counts; every rank must pass the same "
-                    "(PYCOLL_CHECK=1 names which)")
+        for i, control in self._peer_words:
             if control[agreed] != signature:
-                theirs = int(control[agreed])
+                theirs = control[agreed]
                 raise ValueError(
                     f"{collective}: rank {self.rank} passed {x.size} elements of {x.dtype} but "
                     f"rank {self.local[i]} passed {theirs >> 16} of "
                     f"{_dtype_name(theirs & 0xFFFF)}; every rank must pass the same count and "
                     "dtype"
                 )
+            if control[agreed + 2] != call:
+                raise ValueError(
+                    f"{collective}: rank {self.rank} and rank {self.local[i]} passed a "
+                    "different op, root or counts; every rank must pass the same "
+                    "(PYCOLL_CHECK=1 names which)")
         return slots
 
     def _slot_views(self, dtype: np.dtype, count: int) -> tuple:

@@ -206,6 +206,7 @@ def reducer(op: ReduceOp, dtype: np.dtype) -> Callable[..., None]:
                 # would leave the others waiting; the collective gives inf, as MPI does.
                 pass
 
+        reduce.ufunc = ufunc  # what it calls: a caller with both operands may call it directly
         return reduce
 
     combine = _BF16_FALLBACK.get(ufunc)

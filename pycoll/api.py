@@ -29,6 +29,9 @@ Array = Any  # a numpy.ndarray, or a device array (cupy.ndarray) of a registered
 PREPARED_CALLS = 1024  # call shapes remembered per communicator
 _KNOWN = object()  # first in the key of a host call remembered whole (see _known)
 _ONE_SHOT = "one shot"  # how a remembered call ran: every rank's x through shared memory
+# Enum members as module constants for the one-shot's hot path: in CPython 3.11,
+# ``ReduceOp.AVG`` is a Python-level lookup on the Enum class (about 0.1 us each)
+_ALLREDUCE, _AVG = Collective.ALLREDUCE, ReduceOp.AVG
 
 
 @verify.verified("allreduce")
@@ -49,7 +52,7 @@ def allreduce(
                        stream=stream)
     comm = _comm(comm)
     known = None
-    if stream is None and algorithm == "auto" and _host_ndarray(x):
+    if stream is None and algorithm == "auto" and (type(x) is np.ndarray or _host_ndarray(x)):
         done = _one_shot_allreduce(x, op, out, comm)  # which remembers (dtype, op) itself
         if done is not None:
             return done
@@ -86,7 +89,7 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
     """The small AllReduce over shared memory (every rank on one node), with the checks of
     the general path done once per (dtype, op) and the common ``out`` cases checked inline;
     None when it does not apply, and the general path then runs (and reports any error)."""
-    shared = comm.one_shot_for(Collective.ALLREDUCE)
+    shared = comm.one_shot_for(_ALLREDUCE)
     if shared is None or x.nbytes > shared.small_bytes or not x.flags.c_contiguous:
         return None  # (strided: the general path names it)
     try:
@@ -97,22 +100,29 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
         _space(x, "allreduce")
     if known is None:
         parsed = _op(op, x, "allreduce")
-        known = shared.ops[(x.dtype, op)] = (parsed, HOST.reducer(parsed, x.dtype),
-                                             _call_number(parsed, None, None))
-    parsed, reducer, call = known
+        reducer = HOST.reducer(parsed, x.dtype)
+        known = shared.ops[(x.dtype, op)] = (parsed, reducer, _call_number(parsed, None, None),
+                                             getattr(reducer, "ufunc", None))
+    parsed, reducer, call, ufunc = known
     if out is None:
         out = np.empty(x.shape, x.dtype)  # numpy's own, as the general path returns
     elif not (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
-              and out.flags.c_contiguous and out.flags.writeable
+              and (flags := out.flags).c_contiguous and flags.writeable
               and (out is x or (out.base is None and x.base is None)  # own their memory
                    or not np.may_share_memory(out, x))):
         out = _out(out, x, x.shape, "allreduce", may_alias=True)  # raises, or in place
     flat = out if out.ndim == 1 else out.reshape(-1)
     if comm.check:
-        _agree(comm, Collective.ALLREDUCE, x, parsed, "auto", None, None)
-    slots = _publish(comm, shared, Collective.ALLREDUCE, x, call)
-    _sum_in_rank_order(flat, slots, reducer)
-    if parsed is ReduceOp.AVG:
+        _agree(comm, _ALLREDUCE, x, parsed, "auto", None, None)
+    slots = _publish(comm, shared, _ALLREDUCE, x, call)
+    if ufunc is not None and len(slots) == 2:  # _sum_in_rank_order's call, without two frames
+        try:
+            ufunc(slots[0], slots[1], out=flat)
+        except (FloatingPointError, RuntimeWarning):
+            pass  # written: inf, never an error, as the reducer gives (kernels/host.py)
+    else:
+        _sum_in_rank_order(flat, slots, reducer)
+    if parsed is _AVG:
         HOST.finish(flat, parsed, comm.size)
     return out
 
@@ -785,8 +795,9 @@ def _comm(comm: Communicator | None, drain: bool = True) -> Communicator:
         comm = world()
     elif not isinstance(comm, Communicator):
         raise TypeError(f"comm={comm!r} is not a pycoll.Communicator; allowed: one, or None")
-    comm.ensure_usable()
-    if drain:
+    if comm.freed or comm.broken is not None:  # (two tests inline: every call makes them)
+        comm.ensure_usable()  # raises, naming which
+    if drain and comm.queue is not None:  # (drain's own test: no call on every collective)
         comm.drain()  # a blocking call runs after the async ones queued before it
     return comm
 

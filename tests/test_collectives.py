@@ -358,3 +358,18 @@ def test_a_float_overflow_gives_inf_on_every_rank_where_numpy_would_raise(collec
         if collective != "reduce" or rank == 0:
             assert np.isinf(got).all(), (rank, got)
         assert after == 3
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_a_small_allreduce_overflowing_gives_inf_where_numpy_would_raise(nranks, monkeypatch):
+    """The one-shot sum over shared memory (two ranks call the ufunc directly) gives inf too,
+    not an error."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+
+    def body():
+        with np.errstate(all="raise"):
+            got = pycoll.allreduce(np.full(4, 3e38, np.float32))
+        return got, pycoll.world().one_shot() is not None
+
+    for got, one_shot in pycoll.run_local(nranks, body):
+        assert one_shot and np.isinf(got).all(), got
