@@ -61,12 +61,12 @@ def calls(comm: Communicator) -> dict:
 def layers(comm: Communicator) -> dict:
     """The 8-byte AllReduce (out given) entered at each layer, outermost first: what each
     layer adds is its time less the next one's (these are pycoll's private functions)."""
-    from pycoll import api, execute
+    from pycoll import api, execute, select
 
     x = np.ones(2, np.float32)
     out = np.empty_like(x)
     pycoll.allreduce(x, out=out, comm=comm)  # remembered from here on
-    key = (api._KNOWN, "allreduce", x.dtype, x.shape, "sum", "auto", None)
+    key = (api._KNOWN, "allreduce", x.dtype, x.shape, "sum", "auto", select.FORCED_SEGMENTS)
     _, call = comm.prepared[key]
     transport, program = comm.host_transport(), call.program
     scratch = comm.buffer("scratch", program.scratch_elements, x.dtype, call.space)

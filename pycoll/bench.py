@@ -1,9 +1,10 @@
 """`pycoll bench`: collective microbenchmarks with nccl-tests' conventions.
 
 * size is the bytes of the whole array (for AllGather the gathered output, for ReduceScatter
-  the input), count its elements; algbw = size / time with GB = 1e9 bytes; busbw = algbw ×
-  2(n−1)/n for AllReduce, × (n−1)/n for ReduceScatter, AllGather and AllToAll, × 1 for
-  Broadcast and Reduce.
+  the input), count its elements (per rank for AllGather, ReduceScatter and AllToAll: each
+  rank's input, output or piece for each peer, as nccl-tests prints it); algbw = size / time
+  with GB = 1e9 bytes; busbw = algbw × 2(n−1)/n for AllReduce, × (n−1)/n for ReduceScatter,
+  AllGather and AllToAll, × 1 for Broadcast and Reduce.
 * Every iteration runs between barriers and its time is the slowest rank's; the median over
   iterations is reported.
 * ``--against mpi`` times mpi4py's native collective on the same buffers in the same run,
@@ -56,11 +57,12 @@ def bus_factor(collective: Collective, nranks: int) -> float:
     return 1.0
 
 
-def parse_size(text: str) -> int:
-    """'8', '64K', '32M', '1G' (powers of 1024, as nccl-tests) into bytes."""
+def parse_size(text: str, flag: str = "size") -> int:
+    """'8', '64K', '32M', '1G' (powers of 1024, as nccl-tests) into bytes; ``flag`` names
+    the value in an error."""
     match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", str(text), re.IGNORECASE)
     if not match:
-        raise ValueError(f"size={text!r} is invalid; allowed: an int with optional K, M or G")
+        raise ValueError(f"{flag}={text!r} is invalid; allowed: an int with optional K, M or G")
     return int(match.group(1)) * 1024 ** " KMG".index(match.group(2).upper() or " ")
 
 
@@ -239,9 +241,9 @@ def min_memory_traffic(collective: Collective, nbytes: int, nranks: int) -> int:
     return n + (p - 1) * n  # Broadcast: the root's array read, p-1 copies written
 
 
-def element_count(collective: Collective, dtype: np.dtype, size: int, nranks: int) -> int:
+def element_count(collective: Collective, itemsize: int, size: int, nranks: int) -> int:
     """Elements of the whole array for a swept size of ``size`` bytes."""
-    count = max(size // dtype.itemsize, 0)
+    count = max(size // itemsize, 0)
     if collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL):
         count -= count % nranks  # nccl-tests: the whole array splits evenly
     return count
@@ -253,7 +255,7 @@ def distinct_sizes(options: Options, collective: Collective, dtype: np.dtype, nr
     float32 are both 0 elements: one row, not two)."""
     kept, last = [], None
     for size in sizes(options.min_bytes, options.max_bytes, options.step_factor):
-        count = element_count(collective, dtype, size, nranks)
+        count = element_count(collective, dtype.itemsize, size, nranks)
         if count != last:
             kept.append(size)
         last = count
@@ -268,7 +270,7 @@ class _Case:
         p = comm.size
         self.collective, self.dtype, self.comm = collective, dtype, comm
         self.op, self.root = options.op, options.root
-        self.count = count = element_count(collective, dtype, size, p)
+        self.count = count = element_count(collective, dtype.itemsize, size, p)
         in_count = count // p if collective is Collective.ALLGATHER else count
         out_count = count // p if collective is Collective.REDUCE_SCATTER else count
         self.memory = _Memory(options.device, comm)
@@ -485,7 +487,11 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
     factor = bus_factor(collective, comm.size)
     algbw = nbytes / (time_us * 1e-6) / 1e9 if time_us > 0 else 0.0
     # as nccl-tests prints them: redop "none" and root -1 where the collective has none
-    row = Row(options.collective, comm.size, nbytes, case.count, dtype.name,
+    # count as nccl-tests': per rank where the array splits over the ranks
+    per_rank = collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER,
+                              Collective.ALLTOALL)
+    row = Row(options.collective, comm.size, nbytes,
+              case.count // comm.size if per_rank else case.count, dtype.name,
               options.op if collective in REDUCING else "none",
               options.root if collective in ROOTED else -1, algorithm, time_us, algbw,
               algbw * factor, wrong)

@@ -193,13 +193,16 @@ def _command_line_ok(command: str, error: Exception | None) -> bool:
     return not bad
 
 
-def _writable(path: str | None, flag: str, makes_folders: bool = False) -> None:
-    """Fail before measuring, not after: ``path`` ('-': stdout) must be writable
-    (``makes_folders``: the writer creates missing folders, so the nearest existing one)."""
-    if path is None or path == "-":
+def _writable(path: str | None, flag: str, makes_folders: bool = False,
+              stdout: bool = True) -> None:
+    """Fail before measuring, not after: ``path`` ('-': stdout, where ``stdout``) must be
+    writable (``makes_folders``: the writer creates missing folders, so the nearest existing
+    one)."""
+    allowed = "a file path, or - for stdout" if stdout else "a file path"
+    if path is None or (stdout and path == "-"):
         return
-    if not path:  # "" would name the current folder
-        raise ValueError(f"{flag} '': an empty path; allowed: a file path, or - for stdout")
+    if not path or path == "-":  # "" would name the current folder
+        raise ValueError(f"{flag} {path!r}: not a file; allowed: {allowed}")
     folder = os.path.dirname(os.path.abspath(path))
     while makes_folders and not os.path.exists(folder) and os.path.dirname(folder) != folder:
         folder = os.path.dirname(folder)
@@ -230,8 +233,8 @@ def _bench(args: argparse.Namespace) -> int:
             names = (families_for(collective) + ["auto"]) if collective else ["auto"]
         options = bench.Options(
             collective=args.collective,
-            min_bytes=bench.parse_size(args.min_bytes),
-            max_bytes=bench.parse_size(args.max_bytes),
+            min_bytes=bench.parse_size(args.min_bytes, "--min-bytes"),
+            max_bytes=bench.parse_size(args.max_bytes, "--max-bytes"),
             step_factor=args.step_factor,
             iters=bench.Options.iters if args.iters is None else args.iters,
             warmup=bench.Options.warmup if args.warmup is None else args.warmup,
@@ -297,8 +300,10 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     try:
         options = bench.Options(
-            collective=args.collective, min_bytes=bench.parse_size(args.min_bytes),
-            max_bytes=bench.parse_size(args.max_bytes), step_factor=args.step_factor,
+            collective=args.collective,
+            min_bytes=bench.parse_size(args.min_bytes, "--min-bytes"),
+            max_bytes=bench.parse_size(args.max_bytes, "--max-bytes"),
+            step_factor=args.step_factor,
             iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=_op_name(args.op),
             root=args.root,
         )
@@ -309,7 +314,9 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
                 c for c in bench.COLLECTIVES if c != "alltoall"))
         bench.validate(options)
         _ranks_flag(args.ranks)
-        _writable(args.output and f"{args.output}.md", "--output")
+        if args.output is not None:  # two files: PREFIX.md and PREFIX.png
+            _writable(args.output, "--output", stdout=False)
+            _writable(f"{args.output}.md", "--output")
     except (ValueError, TypeError) as error:
         bad = error
     else:
@@ -372,8 +379,8 @@ def _model(args: argparse.Namespace) -> int:
             raise ValueError(f"--ranks={args.ranks!r}; allowed: comma-separated ints >= 1")
         topology = scaling.topology_named(args.topology)
         itemsize = np.dtype(check_dtype(args.dtype)).itemsize
-        sizes = bench.sizes(bench.parse_size(args.min_bytes), bench.parse_size(args.max_bytes),
-                            args.step_factor)
+        sizes = bench.sizes(bench.parse_size(args.min_bytes, "--min-bytes"),
+                            bench.parse_size(args.max_bytes, "--max-bytes"), args.step_factor)
         # whole elements, as bench measures them (1 B of float64 is no element)
         sizes = sorted({s // itemsize * itemsize for s in sizes} - {0})
         if not sizes:
@@ -382,6 +389,10 @@ def _model(args: argparse.Namespace) -> int:
                              f"{args.dtype} ({itemsize} B); allowed: a sweep reaching "
                              f"{itemsize} B or more")
         rows = scaling.table(collective, ranks, sizes, topology, itemsize=itemsize)
+        if not rows:
+            raise ValueError(f"--max-bytes={args.max_bytes} holds no whole {args.dtype} row "
+                             f"per rank at --ranks={args.ranks} ({collective.value} splits "
+                             "evenly, as bench does); allowed: a larger --max-bytes")
     except (ValueError, TypeError) as error:
         print(f"pycoll model: {error}", file=sys.stderr)
         return 2
@@ -401,17 +412,17 @@ def _model(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pycoll import tune
+    from pycoll import bench, tune
 
-    if args.repeats < 1:
-        print(f"pycoll tune: --repeats={args.repeats}; allowed: an int >= 1", file=sys.stderr)
-        return 2
     try:
-        from pycoll import bench
-
-        largest = bench.parse_size(args.max_bytes)
+        if args.repeats < 1:
+            raise ValueError(f"--repeats={args.repeats}; allowed: an int >= 1")
+        largest = bench.parse_size(args.max_bytes, "--max-bytes")
         sizes = [b for b in tune.STEP_SIZES if b <= largest]
-        local = [b for b in tune.LOCAL_SIZES if b <= largest] or [largest]
+        # the host's sums and copies at two sizes whatever -e says: fitted through one small
+        # point they came out 20x slow (cheap to measure, alone in memory)
+        local = [b for b in tune.LOCAL_SIZES if b <= largest]
+        local = local if len(local) >= 2 else tune.LOCAL_SIZES[:2]
         try:
             local_ranks = tuple(int(r) for r in args.ranks.split(",") if r.strip())
         except ValueError:
@@ -423,7 +434,19 @@ def _tune(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-bytes={args.max_bytes!r} leaves {len(sizes)} size(s) of "
                              f"{tune.STEP_SIZES[:2]} to fit; allowed: {tune.STEP_SIZES[1]} "
                              "bytes or more")
-        _writable(args.output, "--output", makes_folders=True)  # before measuring
+        _writable(args.output, "--output", makes_folders=True, stdout=False)  # before measuring
+    except (ValueError, OSError) as error:
+        bad = error
+    else:
+        bad = None
+    if not _command_line_ok("pycoll tune", bad):  # under mpiexec: every rank stops, or none
+        return 2
+    if largest < tune.CURVE_FROM:
+        print(f"pycoll tune: note: --max-bytes={args.max_bytes} measures exchange steps below "
+              f"{tune.CURVE_FROM >> 10} KiB only, where a step's time is mostly its fixed "
+              "cost: the fitted cost per byte is rough (the default -e 32M reads it)",
+              file=sys.stderr)
+    try:
         tune.tune(Path(args.output) if args.output else None, args.repeats, sizes,
                   local_ranks, local_sizes=local)
     except (ValueError, OSError) as error:
@@ -443,8 +466,8 @@ def _bench_kernels(args: argparse.Namespace) -> int:
                     "the GPU's kernels alone); allowed: -b -e -f -n -w -d -o --backend --json "
                     "--csv")
         _outputs(args.json, args.csv)
-        sizes = bench.sizes(bench.parse_size(args.min_bytes), bench.parse_size(args.max_bytes),
-                            args.step_factor)
+        sizes = bench.sizes(bench.parse_size(args.min_bytes, "--min-bytes"),
+                            bench.parse_size(args.max_bytes, "--max-bytes"), args.step_factor)
         dtypes = [bench.dtype_name(d.strip()) for d in args.dtype.split(",") if d.strip()]
         backends = [b.strip() for b in args.backend.split(",") if b.strip()]
         # Each row is printed (and the JSON rewritten) as measured: a killed run keeps them.

@@ -76,7 +76,7 @@ class Communicator:
         self.lanes: dict[tuple[str, int], Any] = {}  # async device Send/Recv's (see submit)
         self._posted: list[Any] = []  # posted host Send/Recv requests (see keep_until_done)
         self._prune_at = 64
-        self.broken: str | None = None  # why later calls must fail at once (a timeout)
+        self.broken: str | None = None  # why later calls must fail at once (broken_by)
         self._timeout = _timeout_from_env()
         self._apply_timeout()
         # PYCOLL_CHECK: each collective first agrees on its arguments (pycoll/agree.py)
@@ -86,7 +86,7 @@ class Communicator:
         # PYCOLL_VERIFY: each collective's result checked against the oracle (pycoll/verify.py)
         self._verify = verification.enabled_by_default()
         self.verifying = False  # inside a verified call or its check
-        self.prepared: dict[tuple, tuple] = {}  # per call shape: schedule, program, reducer
+        self.prepared: dict[tuple, Any] = {}  # per call shape: a PreparedCall, or a known call
         self._device_transports: dict[tuple, Any] = {}
         self._pair_locks: dict[int, threading.Lock] = {}  # peer -> making its Send/Recv routes
         self.topologies: dict[str, Any] = {}  # per kind of transport: the costs selection uses
@@ -515,7 +515,7 @@ class Communicator:
             getattr(transport, "free", lambda: None)()
         if self._owns_mpi_comm:  # made by split: pycoll's to free (never the user's own)
             self.mpi_comm.Free()
-        for queue in [self.queue, *self.lanes.values()]:  # drained by the barrier above
+        for queue in [self.queue, *self.lanes.values()]:  # drained by free_device_buffers
             if queue is not None:
                 queue.close()
         freed = _Freed(self.rank, self.size)

@@ -183,7 +183,8 @@ def plot(comparison: Comparison, path: str) -> None:
     import matplotlib.pyplot as plt
 
     factor = bench.bus_factor(comparison.collective, comparison.nranks)
-    sizes = [p.size for p in comparison.points]
+    points = [p for p in comparison.points if p.size > 0]  # a log axis has no 0 B
+    sizes = [p.size for p in points]
     figure, axes = plt.subplots(figsize=(9, 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     names = comparison.algorithms + ["auto"]
@@ -194,13 +195,13 @@ def plot(comparison: Comparison, path: str) -> None:
             return [s / (t * 1e-6) / 1e9 * factor if t > 0 else math.nan
                     for s, t in zip(sizes, times)]
 
-        measured = busbw([p.measured_us[a] for p in comparison.points])
-        predicted = busbw([p.predicted_us[a] for p in comparison.points])
+        measured = busbw([p.measured_us[a] for p in points])
+        predicted = busbw([p.predicted_us[a] for p in points])
         style = {"linewidth": 2.5} if a == "auto" else {}
         axes.plot(sizes, measured, "-o", color=color, markersize=3, label=f"{a} measured",
                   **style)
         axes.plot(sizes, predicted, "--", color=color, alpha=0.8, label=f"{a} model")
-    for before, after in zip(comparison.points, comparison.points[1:]):
+    for before, after in zip(points, points[1:]):
         if before.fastest() != after.fastest():
             boundary = math.sqrt(before.size * after.size)
             axes.axvline(boundary, color="grey", linestyle=":", linewidth=1)

@@ -181,6 +181,10 @@ def explain(
         raise ValueError(f"root={root} is not a rank; allowed: 0..{nranks - 1}")
     if nsegments < 1:
         raise ValueError(f"segments={nsegments} is invalid; allowed: an int >= 1")
+    if nsegments > nranks:  # the seed's nranks elements: a run makes one segment per element
+        print_(f"pycoll explain: --segments={nsegments}: at most one per element, as a run "
+               f"makes them: {nranks}")
+        nsegments = nranks
     # the nodes (PYCOLL_RANKS_PER_NODE) as the run below sees them: for hierarchical
     per_node = pycoll.run_local(nranks, lambda: pycoll.world().ranks_per_node)[0]
     schedule = algorithms.build(algorithm, kind, nranks, nsegments, root,

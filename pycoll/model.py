@@ -37,7 +37,7 @@ from pathlib import Path
 
 from pycoll import algorithms
 from pycoll.execute import Program, compile_program
-from pycoll.schedule import ROOTED, Collective, Layout, Schedule, building_only, split
+from pycoll.schedule import Collective, Layout, Schedule, building_only, split
 
 
 @dataclass(frozen=True)
@@ -426,27 +426,13 @@ class Candidate:
     seconds: float
 
 
-def candidates(
-    collective: Collective,
-    nbytes: int,
-    nranks: int,
-    topology: Topology,
-    itemsize: int = 1,
-    root: int = 0,
-    families: list[str] | None = None,
-) -> list[Candidate]:
-    """Every (family, segment count) that serves the call, with its predicted time, fastest
-    first. Segment counts that would cut chunks below one element are skipped."""
-    count = nbytes // itemsize
-    out = []
-    for family in families or algorithms.families_for(collective):
-        for nsegments in SEGMENT_CHOICES:
-            if nsegments > 1 and count < nsegments * nranks:
-                break
-            predicted = seconds(collective, family, nranks, nsegments,
-                                root if collective in ROOTED else None, count, topology, itemsize)
-            out.append(Candidate(family, nsegments, predicted))
-    return sorted(out, key=lambda c: (c.seconds, c.algorithm, c.nsegments))
+def segment_choices(count: int, nranks: int, topology: Topology) -> tuple[int, ...]:
+    """The segment counts worth pricing for ``count`` elements on ``nranks`` ranks: 1 where
+    ``topology`` has no use for segments; else SEGMENT_CHOICES while each of a ring's chunks
+    keeps 4 elements or more (more segments only add messages)."""
+    if not topology.segments:
+        return (1,)
+    return tuple(s for s in SEGMENT_CHOICES if s == 1 or count >= 4 * s * nranks)
 
 
 # --- tuning files ---------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 from pycoll import algorithms, model
-from pycoll.bench import bus_factor
+from pycoll.bench import bus_factor, element_count
 from pycoll.schedule import ROOTED, Collective
 from pycoll.select import spans_nodes
 
@@ -87,9 +87,7 @@ def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: i
     # beyond FULL_LIMIT, rank 0 stands for all even on part-filled nodes (so nodes are not
     # passed) and with uneven chunks
     lockstep = nranks > FULL_LIMIT and model.symmetric(collective, family, nranks)
-    for nsegments in (1,) if lockstep else model.SEGMENT_CHOICES:
-        if nsegments > 1 and count < 4 * nsegments * nranks:
-            break
+    for nsegments in (1,) if lockstep else model.segment_choices(count, nranks, topology):
         if lockstep:
             seconds = model.lockstep_seconds(collective, family, nranks, 1, count, topology,
                                              itemsize)
@@ -120,14 +118,19 @@ def table(collective: Collective, ranks: list[int], sizes: list[int], topology: 
           families: list[str] | None = None, itemsize: int = 4
           ) -> list[list[Estimate | None]]:
     """For every (rank count, size): every family's estimate, None where the family does not
-    apply at that rank count (the columns: families that apply at any of ``ranks``)."""
+    apply at that rank count (the columns: families that apply at any of ``ranks``). Sizes
+    are rounded as ``pycoll bench`` rounds them (whole elements; for ReduceScatter, AllGather
+    and AllToAll whole rows per rank), each priced once, none empty."""
     families = families or [f for f in algorithms.families_for(collective)
                             if any(applies(collective, f, p, topology) for p in ranks)]
     rows = []
     for p in ranks:
-        for nbytes in sizes:
-            rows.append([predict_at_scale(collective, f, p, nbytes, topology, itemsize)
-                         if applies(collective, f, p, topology) else None for f in families])
+        measured = sorted({element_count(collective, itemsize, s, p) * itemsize for s in sizes})
+        for nbytes in measured:
+            if nbytes:
+                rows.append([predict_at_scale(collective, f, p, nbytes, topology, itemsize)
+                             if applies(collective, f, p, topology) else None
+                             for f in families])
     return rows
 
 
@@ -142,7 +145,7 @@ def crossover(collective: Collective, p: int, topology: model.Topology, a: str, 
     while size <= high:
         ta = predict_at_scale(collective, a, p, size, topology, itemsize).seconds
         tb = predict_at_scale(collective, b, p, size, topology, itemsize).seconds
-        if ta < tb:
+        if ta < tb * (1 - 1e-9):  # faster, not equal up to rounding (2 ranks: the same steps)
             last = size
         size *= 4
     return last
@@ -160,7 +163,7 @@ def format_table(collective: Collective, rows: list[list[Estimate | None]],
              "|---|---|" + "---|" * (len(names) + 1)]
     for row in rows:
         priced = [e for e in row if e is not None]
-        fastest = min(priced, key=lambda e: e.seconds)
+        fastest = min(priced, key=lambda e: (e.seconds, e.nsegments, e.algorithm))  # as auto
         cells = ["—" if e is None else f"{e.seconds * 1e6:.1f} ({e.busbw:.1f})"
                  + (f" ×{e.nsegments}" if e.nsegments > 1 else "") for e in row]
         lines.append(f"| {priced[0].nranks} | {_size(priced[0].nbytes)} | " + " | ".join(cells)

@@ -161,8 +161,6 @@ def plan_for(
         reason += f", PYCOLL_SEGMENTS={FORCED_SEGMENTS}"
         if segments[0] < FORCED_SEGMENTS:
             reason += f" (at most one per element: {segments[0]})"
-    elif not topology.segments:
-        segments = (1,)
     found = rank_candidates(collective, nbytes, nranks, topology, itemsize, root, families,
                             segments)
     best = found[0]
@@ -187,9 +185,7 @@ def rank_candidates(
     for family in families or families_for(collective):
         if families is None and node_aware(family) and not spans_nodes(topology, nranks):
             continue  # on one node it is a flat ring or tree under another name
-        for nsegments in segments or model.SEGMENT_CHOICES:
-            if segments is None and nsegments > 1 and count < 4 * nsegments * nranks:
-                break  # chunks of a few elements: more segments only add messages
+        for nsegments in segments or model.segment_choices(count, nranks, topology):
             seconds = estimate(collective, family, nranks, nsegments, root, topology, itemsize,
                                count)
             out.append(model.Candidate(family, nsegments, seconds))

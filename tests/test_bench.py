@@ -48,7 +48,7 @@ def test_each_element_count_is_swept_once(collective, low, high, counts):
     options = bench.Options(collective=collective.value, min_bytes=low, max_bytes=high)
     float32 = bench.np.dtype("float32")
     kept = bench.distinct_sizes(options, collective, float32, 3)
-    assert [bench.element_count(collective, float32, s, 3) for s in kept] == counts
+    assert [bench.element_count(collective, float32.itemsize, s, 3) for s in kept] == counts
 
 
 @pytest.mark.parametrize("collective", list(bench.COLLECTIVES))
@@ -308,7 +308,7 @@ def test_redop_and_root_read_as_nccl_tests_print_them(capsys, collective, redop,
 @pytest.mark.parametrize("json_path,csv_path,message", [
     ("same", "same", "the same destination"),
     ("-", "-", "the same destination"),
-    ("", None, "--json '': an empty path"),
+    ("", None, "--json '': not a file; allowed: a file path, or - for stdout"),
 ])
 def test_bench_refuses_outputs_that_would_clash(tmp_path, capsys, json_path, csv_path,
                                                 message):
@@ -367,3 +367,15 @@ def test_without_the_check_nothing_is_said_to_be_right(capsys):
     assert "N/A" in captured.err and "# out of bounds values: not checked (-c 0)" in captured.err
     header, row = captured.out.strip().splitlines()
     assert dict(zip(header.split(","), row.split(",")))["wrong"] == ""
+
+
+@pytest.mark.parametrize("collective,count", [("allreduce", 8), ("allgather", 4),
+                                              ("reduce_scatter", 4), ("alltoall", 4),
+                                              ("broadcast", 8)])
+def test_count_is_per_rank_where_nccl_tests_prints_it_so(capsys, collective, count):
+    """size is the whole array's bytes; count, as nccl-tests prints it, each rank's elements
+    where the array splits over the ranks (it was the whole array's)."""
+    assert main(["bench", collective, "--ranks", "2", "-b", "32", "-e", "32", "-n", "1",
+                 "-w", "0", "--json", "-"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert (row["size"], row["count"]) == (32, count)

@@ -167,10 +167,11 @@ def test_seed_copies_cost_delta_per_byte():
     assert seconds("ring", Collective.ALLGATHER, 4, 400, copying) == 100
 
 
-def test_candidates_are_sorted_and_cover_every_family():
-    found = model.candidates(Collective.ALLREDUCE, 1 << 20, 4, model.Topology())
-    assert [c.seconds for c in found] == sorted(c.seconds for c in found)
-    assert {c.algorithm for c in found} == set(algorithms.families_for(Collective.ALLREDUCE))
+def test_segment_choices_keep_chunks_of_four_elements_and_follow_the_topology():
+    assert model.segment_choices(1 << 20, 4, model.Topology()) == model.SEGMENT_CHOICES
+    assert model.segment_choices(64, 4, model.Topology()) == (1, 2, 4)
+    assert model.segment_choices(1, 4, model.Topology()) == (1,)
+    assert model.segment_choices(1 << 20, 4, model.Topology(segments=False)) == (1,)
 
 
 def test_topology_files_round_trip_and_reject_unknown_keys(tmp_path):

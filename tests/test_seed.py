@@ -149,9 +149,13 @@ def test_explain_every_collective(collective, nranks, capsys):
 
 
 def test_explain_names_a_chunk_without_elements(capsys):
-    """More segments than elements: some chunks are empty (it printed "elements 2..1")."""
+    """More chunks than elements: some are empty (it printed "elements 2..1"). More segments
+    than elements are cut to one per element, as a run cuts them (it printed a schedule that
+    did not run)."""
     assert main(["explain", "allreduce", "--ranks", "2", "--segments", "3"]) == 0
     out = capsys.readouterr().out
+    assert "--segments=3: at most one per element, as a run makes them: 2" in out
+    assert "2 segment(s), 4 chunks" in out
     assert "(no elements): [] -> []" in out and "2..1" not in out
     assert out.rstrip().endswith("matches the numpy oracle")
 

@@ -82,10 +82,38 @@ def test_compare_measures_each_element_count_once(tmp_path, capsys):
     (["model", "--topology", "moon"], "neither a built-in topology nor a file"),
     (["model", "gather"], "collective='gather'"),
     (["tune", "--repeats", "0"], "--repeats=0"),
+    # the flag was not named: "size='1X' is invalid"
+    (["model", "--ranks", "2", "-e", "1X"], "--max-bytes='1X' is invalid"),
+    (["tune", "-e", "1X"], "--max-bytes='1X' is invalid"),
+    (["compare", "allreduce", "--ranks", "2", "-b", "1X"], "--min-bytes='1X' is invalid"),
+    # it wrote files named -.md and -.png
+    (["compare", "allreduce", "--ranks", "2", "--output", "-"],
+     "--output '-': not a file; allowed: a file path\n"),
+    (["tune", "--output", "-"], "--output '-': not a file; allowed: a file path\n"),
+    # allgather at 3 ranks: 8 B is 2 float32, no whole row per rank (bench measures 0 B)
+    (["model", "allgather", "--ranks", "3", "-b", "8", "-e", "8"],
+     "holds no whole float32 row per rank"),
 ])
 def test_tools_name_bad_arguments(args, message, capsys):
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_model_prices_what_a_run_can_make(tmp_path, capsys):
+    """A topology without segments (shared memory's tuning) was priced with them (rows no
+    run makes); sizes are rounded as bench rounds them; equal times are no crossover (2
+    ranks: tree and ring take the same steps)."""
+    entry = scaling.builtin_topologies()["nvlink-ib"].to_json()
+    path = tmp_path / "noseg.json"
+    path.write_text(json.dumps({**entry, "segments": False}))
+    assert main(["model", "--ranks", "8", "-b", "128M", "-e", "128M", "--topology",
+                 str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "×" not in out and "| 8 | 128 MiB |" in out
+    assert main(["model", "allgather", "--ranks", "3", "-b", "1K", "-e", "1K"]) == 0
+    assert "| 3 | 1020 B |" in capsys.readouterr().out
+    assert main(["model", "--ranks", "2", "-b", "1K", "-e", "4M", "-f", "64"]) == 0
+    assert "# 2 ranks: tree predicted faster than ring at no size" in capsys.readouterr().out
 
 
 def test_model_command_prints_every_algorithm_and_the_crossover(capsys):
@@ -239,6 +267,27 @@ def test_tune_and_compare_under_mpiexec(tmp_path):
     table = (tmp_path / "cmp.md").read_text()
     assert "allgather, 2 ranks (MPI)" in table and "mpiexec -n 2 pycoll compare" in table
     assert "tuned at 2 ranks" in table
+
+
+def test_tune_under_mpiexec_stops_every_rank_on_one_ranks_bad_output(tmp_path):
+    """--output writable on rank 0 and not on rank 1 (another node's file system): rank 1
+    stopped and rank 0 waited for it forever in the first measurement."""
+    from test_mpi import mpiexec
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    (bad / "sub").write_text("a file where a folder would be")
+    tune_args = [sys.executable, "-m", "pycoll", "tune", "-e", "64K", "--repeats", "1",
+                 "--ranks", "2", "--output", "sub/t.json"]
+    done = subprocess.run(
+        [mpiexec(), "-n", "1", "-wdir", str(good), *tune_args, ":",
+         "-n", "1", "-wdir", str(bad), *tune_args],
+        capture_output=True, text=True, timeout=60,
+        env={**__import__("os").environ, "PYCOLL_TUNING": str(tmp_path / "t.json")})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "pycoll tune (rank 1): --output sub/t.json: cannot write a file there" in done.stderr
+    assert not (good / "sub").exists()
 
 
 TUNE_THEN_CALL = """
