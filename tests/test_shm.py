@@ -33,8 +33,9 @@ def sizes(nranks: int) -> list[int]:
     return sorted({0, 1, nranks + 1, 13, 1000, 9000})
 
 
-@pytest.fixture(params=list(MODES))
+@pytest.fixture
 def shared(request, monkeypatch):
+    """The transport set up in the mode ``request.param`` names (tests parametrise it)."""
     per_node, ring, cma, cma_min = MODES[request.param]
     monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
     monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", per_node)
@@ -45,9 +46,19 @@ def shared(request, monkeypatch):
     return request.param
 
 
+def modes(nranks):
+    """One rank has no peer: the modes differ only in how peers' messages move."""
+    return list(MODES) if nranks > 1 else ["one-node"]
+
+
 def cases(collective):
-    return [(a, n, c) for a in families_for(collective) + ["auto"] for n in RANKS
-            for c in sizes(n)]
+    return [(m, a, n, c) for a in families_for(collective) + ["auto"] for n in RANKS
+            for m in modes(n) for c in sizes(n)]
+
+
+def every_case(collective):
+    return pytest.mark.parametrize("shared,algorithm,nranks,count", cases(collective),
+                                   indirect=["shared"])
 
 
 def pick(index):
@@ -60,7 +71,7 @@ def run(nranks, fn):
     return pycoll.run_local(nranks, lambda: fn(pycoll.world().rank))
 
 
-@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.ALLREDUCE))
+@every_case(Collective.ALLREDUCE)
 def test_allreduce(shared, algorithm, nranks, count):
     index = nranks * 7 + count
     dtype, op = pick(index)
@@ -70,7 +81,7 @@ def test_allreduce(shared, algorithm, nranks, count):
         np.testing.assert_array_equal(result, oracle.allreduce(inputs, op))
 
 
-@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.REDUCE_SCATTER))
+@every_case(Collective.REDUCE_SCATTER)
 def test_reduce_scatter_with_uneven_counts(shared, algorithm, nranks, count):
     index = nranks * 5 + count
     dtype, op = pick(index)
@@ -83,7 +94,7 @@ def test_reduce_scatter_with_uneven_counts(shared, algorithm, nranks, count):
         np.testing.assert_array_equal(result, expected[rank])
 
 
-@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.ALLGATHER))
+@every_case(Collective.ALLGATHER)
 def test_allgather(shared, algorithm, nranks, count):
     dtype, _ = pick(count)
     inputs = [exact_input(r, count, dtype, "sum") for r in range(nranks)]
@@ -92,7 +103,7 @@ def test_allgather(shared, algorithm, nranks, count):
         np.testing.assert_array_equal(result, oracle.allgather(inputs))
 
 
-@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.BROADCAST))
+@every_case(Collective.BROADCAST)
 def test_broadcast(shared, algorithm, nranks, count):
     root = nranks - 1
     inputs = [exact_input(r, count, np.dtype(np.int32), "sum") for r in range(nranks)]
@@ -102,7 +113,7 @@ def test_broadcast(shared, algorithm, nranks, count):
         np.testing.assert_array_equal(result, oracle.broadcast(inputs, root))
 
 
-@pytest.mark.parametrize("algorithm,nranks,count", cases(Collective.REDUCE))
+@every_case(Collective.REDUCE)
 def test_reduce(shared, algorithm, nranks, count):
     root = nranks // 2
     inputs = [exact_input(r, count, np.dtype(np.int64), "max") for r in range(nranks)]
@@ -111,7 +122,8 @@ def test_reduce(shared, algorithm, nranks, count):
     assert all(result is None for rank, result in enumerate(results) if rank != root)
 
 
-@pytest.mark.parametrize("nranks", RANKS)
+@pytest.mark.parametrize("shared,nranks", [(m, n) for n in RANKS for m in modes(n)],
+                         indirect=["shared"])
 def test_alltoall_alltoallv_and_send_recv(shared, nranks):
     inputs = [np.arange(nranks * 3000, dtype=np.float32) + 100 * r for r in range(nranks)]
     sends = [[(r + j) % 3 * 1000 for j in range(nranks)] for r in range(nranks)]
