@@ -865,9 +865,9 @@ def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
     try:
         if isinstance(counts, dict | set | frozenset | str | bytes):  # keys, or no order
             raise TypeError
-        counts = list(counts)  # an iterator is read once
-        values = [int(c) for c in counts]
-        integral = all(is_int(c) for c in counts)  # not bools, not floats that happen to be
+        listed = list(counts)  # an iterator is read once (counts itself names the error)
+        values = [int(c) for c in listed]
+        integral = all(is_int(c) for c in listed)  # not bools, not floats that happen to be
     except (TypeError, ValueError):
         values, integral = [], False
     if not integral or len(values) != nranks or any(c < 0 for c in values):

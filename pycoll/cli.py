@@ -166,6 +166,17 @@ def _ranks_flag(ranks: int | None) -> None:
             )
 
 
+def _rank() -> int:
+    """This process's rank in an MPI job, else 0."""
+    from pycoll.bindings.mpi import launched_by_mpi
+
+    if not launched_by_mpi():
+        return 0
+    import pycoll
+
+    return pycoll.world().rank
+
+
 def _command_line_ok(command: str, error: Exception | None) -> bool:
     """Whether every rank found its command line good. In an MPI job the ranks compare
     (a path may be writable on one node and not another): rank 0 says each distinct error
@@ -400,7 +411,8 @@ def _model(args: argparse.Namespace) -> int:
     families = {e.algorithm for row in rows for e in row if e is not None}
     if {"ring", "tree"} <= families:
         scanned = f"{scaling._size(sizes[0])} to {scaling._size(sizes[-1])}"
-        for p in ranks:
+        priced = {e.nranks for row in rows for e in row if e is not None}
+        for p in (p for p in ranks if p in priced):  # a rank count with rows in the table
             size = scaling.crossover(collective, p, topology, "tree", "ring",
                                      low=sizes[0], high=sizes[-1], itemsize=itemsize)
             where = (f"at no size from {scanned}" if size is None
@@ -441,7 +453,7 @@ def _tune(args: argparse.Namespace) -> int:
         bad = None
     if not _command_line_ok("pycoll tune", bad):  # under mpiexec: every rank stops, or none
         return 2
-    if largest < tune.CURVE_FROM:
+    if largest < tune.CURVE_FROM and _rank() == 0:
         print(f"pycoll tune: note: --max-bytes={args.max_bytes} measures exchange steps below "
               f"{tune.CURVE_FROM >> 10} KiB only, where a step's time is mostly its fixed "
               "cost: the fitted cost per byte is rough (the default -e 32M reads it)",

@@ -121,16 +121,16 @@ def table(collective: Collective, ranks: list[int], sizes: list[int], topology: 
     apply at that rank count (the columns: families that apply at any of ``ranks``). Sizes
     are rounded as ``pycoll bench`` rounds them (whole elements; for ReduceScatter, AllGather
     and AllToAll whole rows per rank), each priced once, none empty."""
+    measured = {p: sorted({element_count(collective, itemsize, s, p) * itemsize
+                           for s in sizes} - {0}) for p in ranks}
     families = families or [f for f in algorithms.families_for(collective)
-                            if any(applies(collective, f, p, topology) for p in ranks)]
+                            if any(applies(collective, f, p, topology)
+                                   for p in ranks if measured[p])]
     rows = []
     for p in ranks:
-        measured = sorted({element_count(collective, itemsize, s, p) * itemsize for s in sizes})
-        for nbytes in measured:
-            if nbytes:
-                rows.append([predict_at_scale(collective, f, p, nbytes, topology, itemsize)
-                             if applies(collective, f, p, topology) else None
-                             for f in families])
+        for nbytes in measured[p]:
+            rows.append([predict_at_scale(collective, f, p, nbytes, topology, itemsize)
+                         if applies(collective, f, p, topology) else None for f in families])
     return rows
 
 
@@ -143,10 +143,12 @@ def crossover(collective: Collective, p: int, topology: model.Topology, a: str, 
     last = None
     size = low
     while size <= high:
-        ta = predict_at_scale(collective, a, p, size, topology, itemsize).seconds
-        tb = predict_at_scale(collective, b, p, size, topology, itemsize).seconds
-        if ta < tb * (1 - 1e-9):  # faster, not equal up to rounding (2 ranks: the same steps)
-            last = size
+        nbytes = element_count(collective, itemsize, size, p) * itemsize  # as bench measures
+        if nbytes:
+            ta = predict_at_scale(collective, a, p, nbytes, topology, itemsize).seconds
+            tb = predict_at_scale(collective, b, p, nbytes, topology, itemsize).seconds
+            if ta < tb * (1 - 1e-9):  # faster, not equal up to rounding (2 ranks: same steps)
+                last = nbytes
         size *= 4
     return last
 

@@ -271,7 +271,9 @@ def test_the_reliability_doc_tables_every_bad_call():
     (lambda: pycoll.alltoallv(np.arange(4), None), ValueError, r"send_counts=None is invalid"),
     # an iterator's values were read once, so the check for ints saw none (2.5 ran as 2)
     (lambda: pycoll.reduce_scatter(np.arange(4), counts=iter([1.5, 2.5])), ValueError,
-     r"counts=\[1.5, 2.5\] is invalid; allowed: 2 non-negative ints"),
+     r"counts=<list_iterator object at .*> is invalid; allowed: 2 non-negative ints"),
+    (lambda: pycoll.reduce_scatter(np.arange(4), counts=np.array([1.5, 2.5])), ValueError,
+     r"counts=array\(\[1.5, 2.5\]\) is invalid"),  # as given, not as listed
     (lambda: pycoll.reduce_scatter(np.arange(2), counts=[True, True]), ValueError,
      r"counts=\[True, True\] is invalid; allowed: 2 non-negative ints"),
     (lambda: pycoll.reduce_scatter(np.arange(2), counts=[1.0, 1.0]), ValueError,

@@ -200,18 +200,3 @@ def test_a_thread_there_before_run_local_keeps_its_world_of_one():
         release.set()
         background.join(30)
 
-
-def test_split_of_a_broken_communicator_says_so():
-    """Under MPI a broken communicator's split went ahead (MPI_Comm_split over a
-    communicator whose ranks had parted); every call on it raises at once, split too."""
-    def body():
-        comm = pycoll.world()
-        comm.broken_by(RuntimeError("a test's reason"))
-        try:
-            comm.split(0)
-        except RuntimeError as error:
-            return str(error)
-        return None
-
-    for said in pycoll.run_local(2, body):
-        assert said is not None and "is broken (a test's reason)" in said, said

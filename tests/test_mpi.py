@@ -115,13 +115,20 @@ pycoll.allreduce(np.ones(2))
 x = pycoll.empty(4)  # rank 2 is alone on its node: it shares no window, yet takes part
 x[:] = 1
 print(f"rank {comm.rank} then: {pycoll.allreduce(x).tolist()}", flush=True)
+broken = pycoll.Communicator()
+broken.broken_by(RuntimeError("a test's reason"))
+try:
+    broken.split(0)  # it went ahead: MPI_Comm_split over ranks that may have parted
+except RuntimeError as error:
+    print(f"rank {comm.rank} split: {error}", flush=True)
 """
 
 
 def test_an_intercommunicator_is_named_and_a_lone_rank_takes_part_in_empty():
     """Communicator(intercomm) hung in its first allgather; pycoll.empty on a rank alone on
     its node skipped the arrival the others made within PYCOLL_TIMEOUT, so their tags parted
-    and every later call failed."""
+    and every later call failed; a broken communicator's split went ahead (in-process it
+    raised, through its collective)."""
     done = launch(3, "-c", LONE_RANK, timeout=60, PYCOLL_TIMEOUT="10",
                   PYCOLL_RANKS_PER_NODE="2")
     output = done.stdout + done.stderr
@@ -130,6 +137,7 @@ def test_an_intercommunicator_is_named_and_a_lone_rank_takes_part_in_empty():
         assert (f"rank {rank} intercomm: mpi_comm=<mpi4py.MPI.Intercomm object" in output
                 and "allowed: an mpi4py intracommunicator" in output), output
         assert f"rank {rank} then: [3.0, 3.0, 3.0, 3.0]" in output, output
+        assert f"rank {rank} split: " in output and "(a test's reason)" in output, output
 
 
 DEVICE_ONLY = f"""

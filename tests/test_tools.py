@@ -114,6 +114,12 @@ def test_model_prices_what_a_run_can_make(tmp_path, capsys):
     assert "| 3 | 1020 B |" in capsys.readouterr().out
     assert main(["model", "--ranks", "2", "-b", "1K", "-e", "4M", "-f", "64"]) == 0
     assert "# 2 ranks: tree predicted faster than ring at no size" in capsys.readouterr().out
+    # no row at 64 ranks (64 B holds no float32 per rank): no column of its families alone
+    # (StopIteration), no crossover line for it
+    assert main(["model", "allgather", "--ranks", "2,64", "-b", "8", "-e", "64",
+                 "-f", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "hierarchical" not in out and "# 64 ranks" not in out and "| 2 | 64 B |" in out
 
 
 def test_model_command_prints_every_algorithm_and_the_crossover(capsys):
