@@ -19,7 +19,7 @@ from pycoll.bindings.transport import ChannelsCrossed, CollectiveTimeout, WaitTi
 from pycoll.comm import Communicator, is_int, world
 from pycoll.execute import compile_program, run, some_rank_forwards
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
-from pycoll.schedule import Collective, Layout, split
+from pycoll.schedule import SHARDED, Collective, Layout, split
 from pycoll.settings import switch
 from pycoll.spaces import HOST, space_of
 from pycoll.work import Posted
@@ -1031,7 +1031,6 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
         raise comm.broken_by(error) from None
 
 
-_ROWS = (Collective.ALLGATHER, Collective.REDUCE_SCATTER, Collective.ALLTOALL)  # split by row
 
 
 def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,
@@ -1051,7 +1050,7 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
         agree.agree(comm, agree.signature(
             collective.value, str(algorithm), None if op is None else op.value, x.dtype, count,
             counts, root, comm.agreements, space_of(x).name, comm.verify,
-            tuple(x.shape[1:]) if collective in _ROWS else None,
+            tuple(x.shape[1:]) if collective in SHARDED else None,
         ))
     except WaitTimeout as late:  # the shared-memory exchange
         raise comm.timed_out(what, late) from None

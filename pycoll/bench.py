@@ -34,7 +34,7 @@ from pycoll import oracle
 from pycoll.algorithms import families_for
 from pycoll.comm import Communicator
 from pycoll.kernels import ReduceOp, check_dtype
-from pycoll.schedule import REDUCING, ROOTED, Collective
+from pycoll.schedule import REDUCING, ROOTED, SHARDED, Collective
 
 COLLECTIVES = {
     "allreduce": Collective.ALLREDUCE,
@@ -52,7 +52,7 @@ def bus_factor(collective: Collective, nranks: int) -> float:
     """nccl-tests' busbw / algbw, so that busbw is comparable across rank counts."""
     if collective is Collective.ALLREDUCE:
         return 2 * (nranks - 1) / nranks
-    if collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL):
+    if collective in SHARDED:
         return (nranks - 1) / nranks
     return 1.0
 
@@ -244,7 +244,7 @@ def min_memory_traffic(collective: Collective, nbytes: int, nranks: int) -> int:
 def element_count(collective: Collective, itemsize: int, size: int, nranks: int) -> int:
     """Elements of the whole array for a swept size of ``size`` bytes."""
     count = max(size // itemsize, 0)
-    if collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL):
+    if collective in SHARDED:
         count -= count % nranks  # nccl-tests: the whole array splits evenly
     return count
 
@@ -488,10 +488,8 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
     algbw = nbytes / (time_us * 1e-6) / 1e9 if time_us > 0 else 0.0
     # as nccl-tests prints them: redop "none" and root -1 where the collective has none
     # count as nccl-tests': per rank where the array splits over the ranks
-    per_rank = collective in (Collective.REDUCE_SCATTER, Collective.ALLGATHER,
-                              Collective.ALLTOALL)
     row = Row(options.collective, comm.size, nbytes,
-              case.count // comm.size if per_rank else case.count, dtype.name,
+              case.count // comm.size if collective in SHARDED else case.count, dtype.name,
               options.op if collective in REDUCING else "none",
               options.root if collective in ROOTED else -1, algorithm, time_us, algbw,
               algbw * factor, wrong)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pycoll.schedule import (
+    SHARDED,
     Buffer,
     Collective,
     Recv,
@@ -129,8 +130,7 @@ def _check_shape(schedule: Schedule) -> None:
         if who is not None and not 0 <= who < schedule.nranks:
             raise ScheduleError(f"{name}: root or peer {who} outside 0..{schedule.nranks - 1}")
     if (
-        schedule.collective
-        in (Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL)
+        schedule.collective in SHARDED
         and schedule.nblocks != schedule.nranks
     ):
         raise ScheduleError(

@@ -39,7 +39,7 @@ class Collective(str, enum.Enum):
     SENDRECV = "sendrecv"
 
 
-# Collectives whose blocks are rank shards sized by the caller's counts.
+# Collectives whose blocks are rank shards sized by the caller's counts (whole rows each).
 SHARDED = frozenset({Collective.REDUCE_SCATTER, Collective.ALLGATHER, Collective.ALLTOALL})
 ROOTED = frozenset({Collective.BROADCAST, Collective.REDUCE})
 REDUCING = frozenset({Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE})
