@@ -47,6 +47,9 @@ def _bytes_of(buf: np.ndarray) -> np.ndarray:
     return buf.reshape(-1).view(np.uint8)
 
 
+DEADLOCK_GRACE = 3.0  # seconds a verdict waits for threads started by ranks to post
+
+
 class LocalWorld:
     """Mailboxes shared by the threads of one in-process world."""
 
@@ -73,11 +76,15 @@ class LocalWorld:
         # Threads that have posted in this world: a rank's own threads among them may post
         # again (an idle thread that never posts, a pool's worker, cannot end a deadlock).
         self._posters: set[int] = set()
+        # A thread started since, which has yet to post, may be computing what it will send:
+        # it holds a deadlock's verdict for DEADLOCK_GRACE seconds without progress.
+        self._threads_before = {thread.ident for thread in threading.enumerate()}
+        self._last_progress = time.monotonic()
 
     def endpoint(self, rank: int, channel: str = "collective") -> LocalTransport:
         return LocalTransport(self, rank, channel)
 
-    def fail(self, rank: int, error: BaseException) -> None:
+    def fail(self, rank: int | None, error: BaseException) -> None:
         """Record the first failure and wake every waiting rank."""
         with self._lock:
             if self.failure is None:
@@ -89,11 +96,19 @@ class LocalWorld:
             self._finished.add(rank)
             self._wake_everyone()
 
+    def close(self, why: str = "the run_local that made this communicator has returned; use "
+              "a communicator within the run that made it") -> None:
+        """The run is over: every wait, and every later call on a communicator kept from it,
+        fails at once (its peers are gone) rather than wait for ranks that will never call."""
+        self.fail(None, RuntimeError(why))
+
     def _wake_everyone(self) -> None:
         for condition in self._wakeup:
             condition.notify_all()
 
     def _raise_if_failed(self, rank: int) -> None:
+        if self.failure is not None and self.failed_rank is None:  # closed
+            raise PeerFailed(f"rank {rank}: {self.failure}")
         if self.failure is not None:
             raise PeerFailed(
                 f"rank {rank}: rank {self.failed_rank} failed "
@@ -125,6 +140,7 @@ class LocalWorld:
         with self._lock:
             self._raise_if_failed(request.rank)
             self._posters.add(threading.get_ident())
+            self._last_progress = time.monotonic()
             waiting = theirs.get(key)
             if not waiting:
                 mine[key].append(request)
@@ -148,6 +164,7 @@ class LocalWorld:
             raise
         with self._lock:
             send._done = recv._done = True
+            self._last_progress = time.monotonic()
             self._wakeup[send.rank].notify_all()
             self._wakeup[recv.rank].notify_all()
         return request
@@ -197,15 +214,25 @@ class LocalWorld:
         )
         if blocked < threads:  # the common verdict, without counting the ranks' threads
             return False
-        return (blocked == threads + self._threads_started_by_ranks()
-                and not any(r._done for r in self._waiting.values()))
+        posters, newcomers = self._threads_started_by_ranks()
+        if blocked != threads + posters or any(r._done for r in self._waiting.values()):
+            return False
+        return not newcomers or time.monotonic() - self._last_progress > DEADLOCK_GRACE
 
-    def _threads_started_by_ranks(self) -> int:
-        """Live threads, not pycoll's own (ranks, async workers), that have posted here: a
-        rank's, which may post again with its rank's communicator (a rank computing while its
-        helper thread waits is no deadlock)."""
-        return sum(1 for thread in threading.enumerate()
-                   if thread.ident in self._posters and not thread.name.startswith("pycoll-"))
+    def _threads_started_by_ranks(self) -> tuple[int, int]:
+        """Live threads, not pycoll's own (ranks, async workers): those that have posted here
+        (a rank's, which may post again with its rank's communicator: a rank computing while
+        its helper thread waits is no deadlock), and those started since the world was made
+        that have not (yet)."""
+        posters = newcomers = 0
+        for thread in threading.enumerate():
+            if thread.name.startswith("pycoll-"):
+                continue
+            if thread.ident in self._posters:
+                posters += 1
+            elif thread.ident not in self._threads_before:
+                newcomers += 1
+        return posters, newcomers
 
     def _report_deadlock(self) -> None:
         waits = "; ".join(
@@ -261,7 +288,7 @@ class LocalTransport:
 
     def test(self, request: _Request) -> bool:
         """Whether ``request`` completed; never blocks."""
-        return request.done()
+        return request.done() or self.world.failure is not None  # wait() raises why
 
     def subgroup(self, members: list[int], channel: str) -> LocalTransport:
         """An endpoint for the group of ``members`` (ranks of this group) on a new channel."""
@@ -290,10 +317,16 @@ def run_threads(nranks: int, body: Callable[[int, LocalWorld], Any]) -> list[Any
         threading.Thread(target=run, args=(rank,), name=f"pycoll-rank-{rank}", daemon=True)
         for rank in range(nranks)
     ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if world.failure is not None:
-        raise world.failure
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    except BaseException as error:  # Ctrl-C: the ranks stop at their next wait
+        world.close(f"run_local was interrupted ({type(error).__name__})")
+        raise
+    failure = world.failure
+    world.close()
+    if failure is not None:
+        raise failure
     return results

@@ -182,7 +182,9 @@ class Communicator:
 
     @timeout.setter
     def timeout(self, seconds: float | None) -> None:
-        self._timeout = _valid_timeout(seconds, "timeout")
+        seconds = _valid_timeout(seconds, "timeout")
+        self.drain()  # async collectives queued before keep the deadline they were asked with
+        self._timeout = seconds
         self._apply_timeout()
 
     def _apply_timeout(self) -> None:

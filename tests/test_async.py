@@ -378,3 +378,107 @@ def test_point_to_point_async_op_takes_a_bool():
         return True
 
     assert pycoll.run_local(2, lambda: pycoll.world().rank == 1 or body()) == [True, True]
+
+
+def test_a_thread_a_rank_starts_may_compute_before_it_sends():
+    """Rank 0's thread computes, then sends; meanwhile both ranks' own threads wait (rank 0
+    for rank 1's reply, rank 1 for the thread's message). Under MPI this completes; the
+    verdict counted only threads that had posted, and called it a deadlock at once."""
+    def body():
+        comm = pycoll.world()
+        if comm.rank == 1:
+            got = pycoll.recv(np.zeros(2), 0, tag=1)
+            pycoll.send(got * 10, 0, tag=2)
+            return None
+
+        def compute_then_send():
+            time.sleep(0.5)
+            pycoll.send(np.array([1.0, 2.0]), 1, tag=1, comm=comm)
+
+        sender = threading.Thread(target=compute_then_send)
+        sender.start()
+        reply = pycoll.recv(np.zeros(2), 1, tag=2)
+        sender.join()
+        return reply.tolist()
+
+    assert pycoll.run_local(2, body)[0] == [10.0, 20.0]
+
+
+def test_an_async_receive_is_done_once_a_peer_fails():
+    """done() turns True when the world fails (then wait() says why), as torch's
+    is_completed() does for failed work: a program polling done() must not spin forever."""
+    seen = {}
+
+    def body():
+        if pycoll.world().rank == 0:
+            time.sleep(0.1)
+            raise ValueError("rank 0 gives up")
+        work = pycoll.recv(np.zeros(3), 0, async_op=True)
+        started = time.monotonic()
+        while not work.done() and time.monotonic() - started < 5:
+            time.sleep(0.01)
+        seen["done"] = work.done()
+        with pytest.raises(pycoll.PeerFailed, match="rank 0 failed"):
+            work.wait()
+        seen["raised"] = True
+
+    with pytest.raises(ValueError, match="rank 0 gives up"):
+        pycoll.run_local(2, body)
+    assert seen == {"done": True, "raised": True}
+
+
+def test_a_communicator_kept_after_its_run_fails_at_once():
+    """A communicator outlives the run_local that made it (kept in a cache): used in a later
+    run, whose other ranks never join it, it raised nothing and waited forever."""
+    kept = {}
+    pycoll.run_local(2, lambda: kept.setdefault(pycoll.world().rank, pycoll.world()))
+
+    def body():
+        if pycoll.world().rank == 0:
+            pycoll.allreduce(np.ones(2), comm=kept[0])
+
+    with pytest.raises(pycoll.PeerFailed, match="run_local that made this communicator has "
+                                                "returned"):
+        pycoll.run_local(2, body)
+
+
+def test_changing_the_timeout_lets_queued_async_collectives_finish_first():
+    """Queued without a deadline, an async collective kept none when the timeout was set
+    after it: rank 1 comes 0.5 s late, beyond the 0.1 s set once the call was queued."""
+    def body():
+        comm = pycoll.world()
+        if comm.rank == 1:
+            time.sleep(0.5)
+        work = pycoll.allreduce(np.ones(3), algorithm="ring", async_op=True)
+        comm.timeout = 0.1
+        return work.wait().tolist()
+
+    assert pycoll.run_local(2, body) == [[2.0] * 3] * 2
+
+
+def test_ctrl_c_in_run_local_stops_its_ranks():
+    """Ctrl-C reached the caller of run_local while its ranks ran on, forever (a notebook
+    kept burning CPU): now each stops at its next wait."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, signal, threading, time
+        import numpy as np, pycoll
+
+        def body():
+            while True:
+                pycoll.allreduce(np.ones(4))
+
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            pycoll.run_local(2, body)
+        except KeyboardInterrupt:
+            print("interrupted")
+        time.sleep(0.5)
+        print("running:", [t.name for t in threading.enumerate() if t.name.startswith("pycoll-")])
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.splitlines()[:2] == ["interrupted", "running: []"], done.stdout + done.stderr
