@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Everything pycoll checks on an NVIDIA GPU, in one call of well under 8 minutes, on a machine
-# that may have no network: the GPU tests, the kernels' bandwidth, then AllReduce,
-# ReduceScatter and AllGather at 2 and 4 MPI ranks sharing the GPU through CUDA IPC, every
-# algorithm, with --check, and the ring AllReduce without forwarding (PYCOLL_FORWARD=0).
+# that may have no network: AllReduce, ReduceScatter and AllGather at 2 and 4 MPI ranks sharing
+# the GPU through CUDA IPC, every algorithm, with --check, and the ring AllReduce without
+# forwarding (PYCOLL_FORWARD=0); the kernels' bandwidth; the GPU tests.
 # Results go to $OUT (the device tool's folder) or bench/results/gpu-raw.
 #   bash bench/fetch_wheels.sh   # here, with network: mpi4py, mpich, numpy wheels into .whl/
 #   bash bench/gpu_check.sh      # there (device run: carry .whl, timeout_s = GPU_CHECK_SECONDS + 60)
 # Steps run in order of what issue 4's bars need most: the IPC collectives (#wrong = 0), the
-# kernels' bandwidth, then the kernel tests, which take whatever time is left. After each step
-# $OUT holds an up-to-date gpu-summary.md, so a run cut short still says what it measured.
+# kernels' bandwidth, then the collectives' GPU tests and the kernels' (the Numba kernels' full
+# op x dtype matrix last), which take whatever time is left. Before the first step and after
+# each, $OUT holds an up-to-date gpu-summary.md, so a run cut short still says what it measured.
 # Wheels that the machine lacks travel with the tree in .whl/ (see the device notes).
 # The device tool brings back at most 8 files from $OUT, so $OUT gets 7: environment.txt,
 # gpu-tests.txt, kernels.txt, kernels.json, collectives.txt, collectives.tar.gz (the
@@ -115,7 +116,12 @@ from mpi4py import MPI
 print('mpiexec -n 2: rank', MPI.COMM_WORLD.rank, 'of', MPI.COMM_WORLD.size)" 2>&1 \
   | tee -a "$out/environment.txt"
 
-# $OUT's page and the collectives' JSON, brought up to date after every step.
+# Every host wait of a collective from here on, in the tests as in the benchmarks, raises
+# within 30 s naming its step and the rank awaited (GPU-side waits have no such deadline).
+export PYCOLL_TIMEOUT=30
+
+# $OUT's page and the collectives' JSON, brought up to date after every step (and once
+# before the first: a run that dies at once still brings back its environment).
 report() {
   echo "gpu tests exit ${collective_tests_status:--} (collectives)," \
     "${kernel_tests_status:--} (kernels), kernel bench exit ${bench_status:--}," \
@@ -127,44 +133,34 @@ report() {
     tar -czf "$out/collectives.tar.gz" -C "$work" $(cd "$work" && ls -- *-[0-9]*.json)
   fi
 }
-
-# pytest on FILE with at most CAP seconds: SIGINT at the cap, so pytest still prints its
-# failures and counts; a test stuck in CUDA gets its stack dumped at 60 s, and is killed 20 s
-# after the cap. Each file in a process of its own: a GPU fault poisons the process's context.
-gpu_tests() {  # CAP FILE
-  timeout -s INT -k 20 "$(within "$1")" "$python" -P -m pytest -q -rs -p no:cacheprovider \
-    -o faulthandler_timeout=60 \
-    -k "not nvcc and not nvrtc_compiles and not compile_to_ptx and not simulator_suite and not on-host" \
-    "$2" 2>&1 | tee -a "$out/gpu-tests.txt"
-  local status=${PIPESTATUS[0]}
-  echo "# $2: exit $status" | tee -a "$out/gpu-tests.txt"
-  return "$status"
-}
-
-# 1. The collectives' GPU tests (they skip only where no GPU is found; here none should
-# skip). The compile-only checks (nvcc, NVRTC for sm_80, Numba PTX, the simulator, the CUDA C
-# built for the CPU) run in CI without a GPU and are left out here.
-: > "$out/gpu-tests.txt"
-gpu_tests 90 tests/test_gpu_collectives.py
-collective_tests_status=$?
 report
 
-# 2. Collectives between MPI ranks sharing the GPU over CUDA IPC, every algorithm, checked.
-export PYCOLL_TIMEOUT=30  # a collective hung in a host wait names its step and the rank awaited
+# What a step cut at its cap may leave behind (an mpiexec a test started, its ranks
+# busy-polling and holding GPU contexts) must not run on beside the next step.
+reap() {
+  pkill -KILL -x mpiexec 2>/dev/null
+  pkill -KILL -x hydra_pmi_proxy 2>/dev/null
+  pkill -KILL -f "pycoll bench|tests/mpi/" 2>/dev/null
+  return 0
+}
+
+# 1. Collectives between MPI ranks sharing the GPU over CUDA IPC, every algorithm, checked:
+# issue 4's #wrong = 0 bar first.
 collectives_status=0
 : > "$out/collectives.txt"
 # A run that hangs on the GPU (a cross-process event wait that never completes, where CUDA IPC
-# half works) is cut at 40 s and names nothing (PYCOLL_TIMEOUT bounds host waits only): after
-# one, the other IPC runs are skipped, and the time goes to the staged run and the kernels.
-ipc_hung=""
+# half works) is cut at 40 s and names nothing (PYCOLL_TIMEOUT bounds host waits only); one
+# that fails otherwise (a CUDA error on one rank: exit 2 or an abort, not 1, which is #wrong
+# > 0) would fail alike in every run. After either, the other IPC runs are skipped (exit 125),
+# and the time goes to the staged run, the kernels and the tests.
+ipc_failed=""
 bench_collective() {  # LABEL JSON_NAME RANKS COLLECTIVE [ARGS...]
   local label=$1 name=$2 ranks=$3 collective=$4
   shift 4
-  if [ -n "$ipc_hung" ] && [ "${PYCOLL_DEVICE_TRANSPORT:-}" != staged ]; then
-    # as a run cut short (exit 124), so the summary counts it among those that did not finish
-    printf '%s\n' "# skipped, after $ipc_hung timed out:" \
-      "# $collective on $ranks ranks$label: exit 124" | tee -a "$out/collectives.txt"
-    return 124
+  if [ -n "$ipc_failed" ] && [ "${PYCOLL_DEVICE_TRANSPORT:-}" != staged ]; then
+    printf '%s\n' "# skipped, after $ipc_failed:" \
+      "# $collective on $ranks ranks$label: exit 125" | tee -a "$out/collectives.txt"
+    return 125
   fi
   # -k: mpiexec waits for ranks that ignore SIGTERM (one stuck in a driver call)
   timeout -k 5 "$(within 40)" mpiexec -n "$ranks" "$python" -P -m pycoll bench "$collective" \
@@ -172,7 +168,12 @@ bench_collective() {  # LABEL JSON_NAME RANKS COLLECTIVE [ARGS...]
     | tee -a "$out/collectives.txt"
   local status=${PIPESTATUS[0]}
   echo "# $collective on $ranks ranks$label: exit $status" | tee -a "$out/collectives.txt"
-  [ "$status" -eq 124 ] || [ "$status" -eq 137 ] && ipc_hung="$collective on $ranks ranks$label"
+  if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    ipc_failed="$collective on $ranks ranks$label timed out"
+  elif [ "$status" -ne 0 ] && [ "$status" -ne 1 ]; then
+    ipc_failed="$collective on $ranks ranks$label failed (exit $status)"
+  fi
+  reap
   return "$status"
 }
 for ranks in 2 4; do
@@ -193,15 +194,50 @@ if [ "$collectives_status" -ne 0 ]; then
 fi
 report
 
-# 3. Each kernel's bandwidth (bytes read + written) against device copy and CuPy's add.
+# 2. Each kernel's bandwidth (bytes read + written) against device copy and CuPy's add.
 timeout -s INT -k 10 "$(within 120)" "$python" -P -m pycoll bench kernels -b 1M -e 1G -f 4 \
   -d float32,bfloat16 --backend cupy,numba --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt"
 bench_status=${PIPESTATUS[0]}
 report
 
-# 4. The kernels' GPU tests, every op and dtype on both backends: whatever time is left.
-gpu_tests 400 tests/test_kernels_cuda.py
+# pytest on FILE with at most CAP seconds: SIGINT at the cap, so pytest still prints its
+# failures and counts; a test stuck in CUDA gets its stack dumped at 60 s, and is killed 20 s
+# after the cap. Each run in a process of its own: a GPU fault poisons the process's context.
+# The compile-only checks (nvcc, NVRTC for sm_80, Numba PTX, the simulator, the CUDA C built
+# for the CPU) run in CI without a GPU and are left out. Here no test may skip for want of a
+# GPU: a run where CuPy sees none would otherwise pass with everything skipped.
+gpu_tests() {  # CAP FILE [LABEL [SELECTION]]
+  local label=${3:-$2} selection=${4:+ and ($4)}
+  timeout -s INT -k 20 "$(within "$1")" "$python" -P -m pytest -q -rs -p no:cacheprovider \
+    -o faulthandler_timeout=60 \
+    -k "not nvcc and not nvrtc_compiles and not compile_to_ptx and not simulator_suite and not on-host$selection" \
+    "$2" 2>&1 | tee "$work/pytest.txt" | tee -a "$out/gpu-tests.txt"
+  local status=${PIPESTATUS[0]}
+  reap
+  if [ "$status" -eq 0 ] && grep -q "no CUDA GPU" "$work/pytest.txt"; then
+    echo "# tests skipped for want of a GPU on a GPU machine: counted as failed" \
+      | tee -a "$out/gpu-tests.txt"
+    status=3
+  fi
+  echo "# $label: exit $status" | tee -a "$out/gpu-tests.txt"
+  return "$status"
+}
+: > "$out/gpu-tests.txt"
+
+# 3. The collectives' GPU tests (in-process ranks first; those between MPI processes last).
+gpu_tests 150 tests/test_gpu_collectives.py
+collective_tests_status=$?
+report
+
+# 4. The kernels' GPU tests, in what is left: first all but the Numba kernels' full op x
+# dtype matrix (which compiles some 6 kernels per case), so that the CuPy matrix, the
+# alignment, float-semantics and large-size tests run whatever time the Numba matrix lacks.
+numba_matrix="every_kernel_matches_host and numba"
+gpu_tests 300 tests/test_kernels_cuda.py "" "not ($numba_matrix)"
 kernel_tests_status=$?
+gpu_tests 300 tests/test_kernels_cuda.py "tests/test_kernels_cuda.py::numba-matrix" "$numba_matrix"
+numba_matrix_status=$?
+[ "$kernel_tests_status" -eq 0 ] && kernel_tests_status=$numba_matrix_status
 report
 
 [ "$collective_tests_status" -eq 0 ] && [ "$kernel_tests_status" -eq 0 ] \

@@ -95,7 +95,8 @@ def kernel_section(rows: list[dict]) -> list[str]:
 
 def run_exits(folder: Path) -> dict[str, int]:
     """Each collective run's exit status, from collectives.txt's closing lines, by the name
-    of its JSON file without '.json' (124: stopped by gpu_check.sh's time limit)."""
+    of its JSON file without '.json' (124: stopped by gpu_check.sh's time limit; 125:
+    skipped after an IPC run timed out or failed)."""
     prefix_of = {said: prefix for prefix, (said, _, _) in VARIANTS.items()}
     exits = {}
     for line in (_read(folder / "collectives.txt") or "").splitlines():
@@ -154,7 +155,8 @@ def collective_section(folder: Path) -> list[str]:
     if total_wrong == 0 and unfinished:
         said = ", ".join(f"{name}: exit {exits[name]}" for name in unfinished)
         verdict = (f"not shown: {len(unfinished)} run(s) did not finish ({said}; exit 124 is "
-                   "gpu_check.sh's time limit, 2 a refusal such as no GPU)")
+                   "gpu_check.sh's time limit, 125 skipped after an IPC run timed out or "
+                   "failed, 2 a refusal such as no GPU)")
     elif total_wrong == 0 and unchecked:
         verdict = f"not shown: rows run without --check in {', '.join(unchecked)}"
     else:
@@ -206,7 +208,7 @@ def _test_results(tests: str | None) -> list[str]:
             counts = last = None
         else:
             last = line
-            if re.search(r"\b\d+ (passed|failed|errors?)\b", line):
+            if re.search(r"\b\d+ (passed|failed|errors?|skipped)\b", line):
                 counts = line
     if last is not None:  # a run with no exit line yet
         said.append(counts or last)

@@ -206,6 +206,17 @@ def check_numba_cuda_loads() -> None:
             f"numpy {np.__version__} ({error}; NVIDIA/numba-cuda#907); allowed: "
             "PYCOLL_KERNELS=cupy (the CUDA C kernels), or numpy<2.5"
         ) from None
+    except ImportError as error:  # an older numba-cuda: its modules lie elsewhere
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = f"numba-cuda {version('numba-cuda')}"
+        except PackageNotFoundError:
+            found = "no numba-cuda package (numba's own CUDA target?)"
+        raise RuntimeError(
+            f"the Numba kernels need numba-cuda >= 0.30, found {found} ({error}); allowed: "
+            "PYCOLL_KERNELS=cupy (the CUDA C kernels), or pip install 'numba-cuda>=0.30'"
+        ) from None
 
 
 def _family(row: table.GpuDtype) -> str:

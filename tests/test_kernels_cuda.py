@@ -450,6 +450,27 @@ def test_numba_kernels_say_when_numba_cuda_cannot_load_under_this_numpy(monkeypa
 
 
 @pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda not installed")
+def test_numba_kernels_name_an_older_numba_cuda(monkeypatch):
+    """A GPU machine's own, older numba-cuda lacks numba.cuda.np.arrayobj: the error names the
+    version found and what is allowed, not a bare ImportError at the first kernel."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM"):
+        pytest.skip("NUMBA_ENABLE_CUDASIM is set in this process: the check is not made there")
+    from pycoll.kernels import numba_cuda
+
+    def older():
+        raise ModuleNotFoundError("No module named 'numba.cuda.np.arrayobj'")
+
+    monkeypatch.setattr(numba_cuda, "_load_numpy_support", older)
+    numba_cuda.check_numba_cuda_loads.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"need numba-cuda >= 0\.30, found numba-cuda "
+                                               r"[0-9.]+ \(No module named"):
+            numba_cuda.NumbaKernels()
+    finally:
+        numba_cuda.check_numba_cuda_loads.cache_clear()
+
+
+@pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda not installed")
 def test_numba_grid_fills_every_sm_of_an_h200(monkeypatch):
     if os.environ.get("NUMBA_ENABLE_CUDASIM"):
         pytest.skip("NUMBA_ENABLE_CUDASIM is set in this process: tests/cudasim checks its grid")
