@@ -302,13 +302,15 @@ def play_lockstep(program: Program, topology: Topology, itemsize: int, rank: int
 
 # --- one rank for all -----------------------------------------------------------------------
 
-_SHARDED = frozenset({Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.ALLGATHER})
+_EVERY_RANK_ALIKE = frozenset({Collective.ALLREDUCE, Collective.REDUCE_SCATTER,
+                               Collective.ALLGATHER})
 # Families whose ranks all do the same at the same moments, by collective (``symmetric``
 # adds: halving-doubling at powers of two, ranks on whole nodes): one rank's program played
 # alone then costs what every rank's played together do. hierarchical_tree is not symmetric,
 # but rank 0 roots both trees between nodes: busy in every round, its finish is the call's.
-SYMMETRIC = {"ring": _SHARDED, "direct": _SHARDED, "halving_doubling": _SHARDED,
-             "hierarchical": _SHARDED, "two_shot": frozenset({Collective.ALLREDUCE}),
+SYMMETRIC = {"ring": _EVERY_RANK_ALIKE, "direct": _EVERY_RANK_ALIKE,
+             "halving_doubling": _EVERY_RANK_ALIKE, "hierarchical": _EVERY_RANK_ALIKE,
+             "two_shot": frozenset({Collective.ALLREDUCE}),
              "hierarchical_tree": frozenset({Collective.ALLREDUCE})}
 
 
