@@ -115,6 +115,11 @@ timeout "$(within 30)" mpiexec -n 2 "$python" -P -c "
 from mpi4py import MPI
 print('mpiexec -n 2: rank', MPI.COMM_WORLD.rank, 'of', MPI.COMM_WORLD.size)" 2>&1 \
   | tee -a "$out/environment.txt"
+# CUDA IPC itself, with CuPy alone: export, open, event wait, read and write between two
+# processes; where it fails, the step and error say so beside the collectives' own errors.
+timeout -k 5 "$(within 40)" mpiexec -n 2 "$python" -P bench/ipc_smoke.py 2>&1 \
+  | tee -a "$out/environment.txt"
+echo "# bench/ipc_smoke.py: exit ${PIPESTATUS[0]}" | tee -a "$out/environment.txt"
 
 # Every host wait of a collective from here on, in the tests as in the benchmarks, raises
 # within 30 s naming its step and the rank awaited (GPU-side waits have no such deadline).

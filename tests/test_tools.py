@@ -4,6 +4,7 @@ sweeps (their real runs are committed under bench/results/ and docs/scaling.md).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -407,3 +408,18 @@ def test_the_small_call_scripts_run(capsys):
                       done.stdout, re.M)
     assert [name for name, _ in rows] == ["native", "pycoll", "Sendrecv + add"], done.stdout
     assert rows[0][1] == "1.00"
+
+
+def test_the_ipc_smoke_test_names_the_step_that_failed():
+    """bench/ipc_smoke.py (gpu_check.sh's CUDA IPC check with CuPy alone) says on each rank
+    which step failed and how, and exits, here where there is no GPU (or no CuPy)."""
+    from test_mpi import mpiexec
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(bench / "ipc_smoke.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stdout
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: cuda ipc smoke failed while (importing CuPy|choosing "
+                         r"the device): \w+", done.stdout), done.stdout + done.stderr
+    assert "cuda ipc smoke: ok" not in done.stdout
