@@ -275,22 +275,23 @@ def _forwards(step, groups, following) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def _reduce_groups(receives: list[Receive]) -> tuple[tuple[int, ...], ...]:
-    """Positions of the reductions that share a range, per range of two or more."""
+def _reduce_groups(receives: list[Receive], least: int = 2) -> tuple[tuple[int, ...], ...]:
+    """Positions of the reductions that share a range, per range of ``least`` or more."""
     ranges: dict[tuple[int, int], list[int]] = {}
     for i, r in enumerate(receives):
         if r.scratch >= 0:
             ranges.setdefault((r.start, r.stop), []).append(i)
-    return tuple(tuple(members) for members in ranges.values() if len(members) > 1)
+    return tuple(tuple(members) for members in ranges.values() if len(members) >= least)
 
 
 def _in_rank_order(receives: list[Receive], rank: int) -> None:
-    """Reorder, in place, a step's reductions of several peers into one range whose seed was
+    """Reorder, in place, a step's reductions of peers into one range whose seed was
     deferred, so that they combine in rank order with this rank's INPUT at its own place:
     ((x0 op x1) op x2) ... on every rank. Every rank then adds the same arrays the same way,
     so the direct AllReduce gives the same bits on every rank (and the same as the
-    shared-memory one-shot's and two_shot's)."""
-    for positions in _reduce_groups(receives):
+    shared-memory one-shot's and two_shot's). One peer's too (2 ranks): x0 op x1 on rank 1
+    as on rank 0, where op's operands do not commute bitwise (numpy's complex multiply)."""
+    for positions in _reduce_groups(receives, least=1):
         members = [receives[i] for i in positions]
         own = members[0].fused
         if own is None or any(m.fused is not None for m in members[1:]):

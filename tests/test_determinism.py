@@ -102,3 +102,28 @@ def test_at_two_ranks_every_family_gives_the_same_bits():
         for algorithm in families_for(Collective.ALLREDUCE)
     }
     assert len(set(bits.values())) == 1
+
+
+@pytest.mark.parametrize("transport", ["auto", "mpi"])
+def test_rank_order_holds_at_two_ranks_for_complex_prod(monkeypatch, transport):
+    """Complex prod, whose operands numpy's multiply does not commute bitwise: at 2 ranks a
+    rank's block receives from one peer only, and rank 1 put its own array first (x1 * x0)
+    instead of in rank order, so direct and two_shot differed from the one-shot."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", transport)
+    rng = np.random.default_rng(7)
+    size = 20_000  # past shared memory's one-shot, whose slots are combined in rank order
+    xs = [(rng.standard_normal(size) + 1j * rng.standard_normal(size)).astype(np.complex64)
+          for _ in range(2)]
+    want = xs[0] * xs[1]
+    assert (xs[1] * xs[0] != want).any()  # the case this checks
+
+    def body():
+        rank = pycoll.world().rank
+        scattered = pycoll.reduce_scatter(xs[rank], "prod", algorithm="direct")
+        return scattered, [pycoll.allreduce(xs[rank], "prod", algorithm=algorithm)
+                           for algorithm in ("direct", "two_shot")]
+
+    for rank, (scattered, reduced) in enumerate(pycoll.run_local(2, body)):
+        half = size // 2
+        assert scattered.tobytes() == want[rank * half:(rank + 1) * half].tobytes(), rank
+        assert [r.tobytes() for r in reduced] == [want.tobytes()] * 2, rank
