@@ -119,7 +119,8 @@ print('mpiexec -n 2: rank', MPI.COMM_WORLD.rank, 'of', MPI.COMM_WORLD.size)" 2>&
 # processes; where it fails, the step and error say so beside the collectives' own errors.
 timeout -k 5 "$(within 40)" mpiexec -n 2 "$python" -P bench/ipc_smoke.py 2>&1 \
   | tee -a "$out/environment.txt"
-echo "# bench/ipc_smoke.py: exit ${PIPESTATUS[0]}" | tee -a "$out/environment.txt"
+ipc_smoke_status=${PIPESTATUS[0]}
+echo "# bench/ipc_smoke.py: exit $ipc_smoke_status" | tee -a "$out/environment.txt"
 
 # Every host wait of a collective from here on, in the tests as in the benchmarks, raises
 # within 30 s naming its step and the rank awaited (GPU-side waits have no such deadline).
@@ -128,7 +129,8 @@ export PYCOLL_TIMEOUT=30
 # $OUT's page and the collectives' JSON, brought up to date after every step (and once
 # before the first: a run that dies at once still brings back its environment).
 report() {
-  echo "gpu tests exit ${collective_tests_status:--} (collectives)," \
+  echo "ipc smoke exit ${ipc_smoke_status:--}," \
+    "gpu tests exit ${collective_tests_status:--} (collectives)," \
     "${kernel_tests_status:--} (kernels), kernel bench exit ${bench_status:--}," \
     "collectives exit ${collectives_status:--}" > "$work/summary.txt"
   cp "$out"/*.txt "$out"/kernels.json "$work"/ 2>/dev/null
@@ -141,11 +143,16 @@ report() {
 report
 
 # What a step cut at its cap may leave behind (an mpiexec a test started, its ranks
-# busy-polling and holding GPU contexts) must not run on beside the next step.
+# busy-polling and holding GPU contexts) must not run on beside the next step. Only this
+# script's own: every process it starts inherits GPU_CHECK_RUN, and other processes of the
+# machine (another job's mpiexec) do not have it.
+export GPU_CHECK_RUN="$$-$RANDOM"
 reap() {
-  pkill -KILL -x mpiexec 2>/dev/null
-  pkill -KILL -x hydra_pmi_proxy 2>/dev/null
-  pkill -KILL -f "pycoll bench|tests/mpi/" 2>/dev/null
+  local pid
+  for pid in $(grep -lzxF "GPU_CHECK_RUN=$GPU_CHECK_RUN" /proc/[0-9]*/environ 2>/dev/null \
+      | cut -d/ -f3); do
+    [ "$pid" = "$$" ] || [ "$pid" = "$BASHPID" ] || kill -KILL "$pid" 2>/dev/null
+  done
   return 0
 }
 

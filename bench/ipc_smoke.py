@@ -7,12 +7,14 @@ collective in bench/gpu_check.sh can be told from a machine that refuses CUDA IP
 Rank 0 exports a buffer outside CuPy's pool (``cupy.cuda.Memory``) and an interprocess event
 recorded after filling it; rank 1 opens both, waits on the event on its own stream, reads
 the buffer, then writes it; rank 0 reads what rank 1 wrote. Each rank prints the step it
-reached and, on failure, the error; rank 0 prints ``cuda ipc smoke: ok`` at the end.
+reached and, on failure, the error (and aborts the job: its peer may wait in MPI); rank 0
+prints ``cuda ipc smoke: ok`` at the end.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -88,9 +90,11 @@ def main() -> int:
         if rank == 0:
             print("cuda ipc smoke: ok", flush=True)
         return 0
-    except Exception as error:  # the step and the error, then the launcher's timeout
+    except Exception as error:  # the step and the error; the peer may wait in MPI: abort
         print(f"rank {rank}: cuda ipc smoke failed while {step}: {type(error).__name__}: "
               f"{error}", flush=True)
+        time.sleep(0.5)  # time for the launcher to forward the line before the job ends
+        comm.Abort(1)
         return 1
 
 

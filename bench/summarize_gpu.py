@@ -201,11 +201,13 @@ def _test_results(tests: str | None) -> list[str]:
     if tests is None:
         return ["(no gpu-tests.txt)"]
     said: list[str] = []
-    counts = last = None
+    counts = last = note = None
     for line in filter(str.strip, tests.splitlines()):
         if re.fullmatch(r"# \S+: exit \d+", line.strip()):
-            said += [counts or last or "(no output)", line]
-            counts = last = None
+            said += [counts or last or "(no output)", *([note] if note else []), line]
+            counts = last = note = None
+        elif line.startswith("# tests skipped for want of a GPU"):  # gpu_check.sh's verdict
+            note = line
         else:
             last = line
             if re.search(r"\b\d+ (passed|failed|errors?|skipped)\b", line):

@@ -53,7 +53,7 @@ DEADLOCK_GRACE = 3.0  # seconds a verdict waits for threads started by ranks to 
 class LocalWorld:
     """Mailboxes shared by the threads of one in-process world."""
 
-    def __init__(self, nranks: int):
+    def __init__(self, nranks: int, threads_before: set[threading.Thread] | None = None):
         self.nranks = nranks
         self._lock = threading.Lock()
         # One condition per rank on the shared lock: a completed message wakes its two ranks,
@@ -75,10 +75,12 @@ class LocalWorld:
         self.shared: dict[Any, Any] = {}  # objects every rank of the world uses (setdefault)
         # Threads that have posted in this world: a rank's own threads among them may post
         # again (an idle thread that never posts, a pool's worker, cannot end a deadlock).
-        self._posters: set[int] = set()
+        # Thread objects, not idents, which a new thread may reuse once an old one ended.
+        self._posters: set[threading.Thread] = set()
         # A thread started since, which has yet to post, may be computing what it will send:
         # it holds a deadlock's verdict for DEADLOCK_GRACE seconds without progress.
-        self._threads_before = {thread.ident for thread in threading.enumerate()}
+        self._threads_before = (set(threading.enumerate()) if threads_before is None
+                                else threads_before)
         self._last_progress = time.monotonic()
 
     def endpoint(self, rank: int, channel: str = "collective") -> LocalTransport:
@@ -139,7 +141,7 @@ class LocalWorld:
             mine, theirs = self._unmatched_recvs, self._unmatched_sends
         with self._lock:
             self._raise_if_failed(request.rank)
-            self._posters.add(threading.get_ident())
+            self._posters.add(threading.current_thread())
             self._last_progress = time.monotonic()
             waiting = theirs.get(key)
             if not waiting:
@@ -228,9 +230,9 @@ class LocalWorld:
         for thread in threading.enumerate():
             if thread.name.startswith("pycoll-"):
                 continue
-            if thread.ident in self._posters:
+            if thread in self._posters:
                 posters += 1
-            elif thread.ident not in self._threads_before:
+            elif thread not in self._threads_before:
                 newcomers += 1
         return posters, newcomers
 
@@ -297,12 +299,14 @@ class LocalTransport:
         )
 
 
-def run_threads(nranks: int, body: Callable[[int, LocalWorld], Any]) -> list[Any]:
+def run_threads(nranks: int, body: Callable[[int, LocalWorld], Any],
+                threads_before: set[threading.Thread] | None = None) -> list[Any]:
     """Run ``body(rank, world)`` on ``nranks`` threads; return their results in rank order.
 
     If any rank raises, the others are released and the first failure is raised here.
+    ``threads_before``: the threads alive before (not started by a rank); default: now.
     """
-    world = LocalWorld(nranks)
+    world = LocalWorld(nranks, threads_before)
     results: list[Any] = [None] * nranks
 
     def run(rank: int) -> None:

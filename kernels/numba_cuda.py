@@ -214,8 +214,9 @@ def check_numba_cuda_loads() -> None:
         except PackageNotFoundError:
             found = "no numba-cuda package (numba's own CUDA target?)"
         raise RuntimeError(
-            f"the Numba kernels need numba-cuda >= 0.30, found {found} ({error}); allowed: "
-            "PYCOLL_KERNELS=cupy (the CUDA C kernels), or pip install 'numba-cuda>=0.30'"
+            f"the Numba kernels need numba-cuda's numpy support (numba-cuda >= 0.30), which "
+            f"failed to import from {found} ({error}); allowed: PYCOLL_KERNELS=cupy (the CUDA "
+            "C kernels), or pip install 'numba-cuda>=0.30'"
         ) from None
 
 

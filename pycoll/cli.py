@@ -293,7 +293,8 @@ def _bench(args: argparse.Namespace) -> int:
             rows, rank = results[0], 0
         else:
             rows, rank = bench.run(options, comm, stream), comm.rank
-    except (ValueError, TypeError, RuntimeError) as error:
+    except (ValueError, TypeError, RuntimeError, TimeoutError) as error:
+        # a collective's timeout too: exit 1 says the run ended with wrong values, no more
         print(f"pycoll bench: {error}", file=sys.stderr)
         return 2
     except MemoryError:

@@ -852,7 +852,9 @@ class _ThreadDefault(threading.local):
 _default = _ThreadDefault()
 _process_world: Communicator | None = None
 _process_world_lock = threading.Lock()
-_local_runs: list[set] = []  # per run_local under way: the threads there before it began
+# per run_local under way: the threads there before it began (Thread objects: a thread
+# started later may reuse the ident of one that has ended)
+_local_runs: list[set[threading.Thread]] = []
 _local_runs_lock = threading.Lock()
 
 
@@ -865,7 +867,7 @@ def world() -> Communicator:
     comm = _default.comm
     if comm is not None:
         return comm
-    if any(threading.get_ident() not in before for before in _local_runs) and (
+    if any(threading.current_thread() not in before for before in _local_runs) and (
             not launched_by_mpi()):
         # a thread started while ranks run (by a rank, most likely): a world of one rank here
         # would silently reduce nothing
@@ -940,11 +942,11 @@ def run_local(nranks: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
         finally:
             _default.comm = None
 
-    before = {thread.ident for thread in threading.enumerate()}  # not started by a rank
+    before = set(threading.enumerate())  # not started by a rank
     with _local_runs_lock:
         _local_runs.append(before)
     try:
-        return run_threads(nranks, body)
+        return run_threads(nranks, body, before)
     finally:
         with _local_runs_lock:
             _local_runs.remove(before)

@@ -482,3 +482,33 @@ def test_ctrl_c_in_run_local_stops_its_ranks():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60)
     assert done.stdout.splitlines()[:2] == ["interrupted", "running: []"], done.stdout + done.stderr
+
+
+def test_a_thread_reusing_an_ended_threads_ident_is_still_new():
+    """A thread alive when run_local began ends; a rank then starts one that computes before
+    it sends, which Linux gives the ended thread's ident: known by ident, it passed for a
+    thread from before the run (not one that may yet post), and a Deadlock was called."""
+    release = threading.Event()
+    lingering = threading.Thread(target=release.wait)
+    lingering.start()
+
+    def body():
+        comm = pycoll.world()
+        if comm.rank == 1:
+            got = pycoll.recv(np.zeros(2), 0, tag=1)
+            pycoll.send(got * 10, 0, tag=2)
+            return None
+        release.set()
+        lingering.join()
+
+        def compute_then_send():
+            time.sleep(0.5)
+            pycoll.send(np.array([1.0, 2.0]), 1, tag=1, comm=comm)
+
+        sender = threading.Thread(target=compute_then_send)
+        sender.start()
+        reply = pycoll.recv(np.zeros(2), 1, tag=2)
+        sender.join()
+        return reply.tolist()
+
+    assert pycoll.run_local(2, body)[0] == [10.0, 20.0]

@@ -9,6 +9,7 @@ import sys
 import pytest
 from test_mpi import mpiexec
 
+import pycoll
 from pycoll import bench
 from pycoll.cli import main
 from pycoll.schedule import Collective
@@ -230,6 +231,20 @@ def test_rows_are_printed_and_saved_as_they_are_measured(monkeypatch, capsys, tm
     assert [r["size"] for r in json.loads(out.read_text())] == [8, 32]
     assert len(csv.read_text().splitlines()) == 1 + 2
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_collective_timeout_exits_2_not_1_which_says_wrong_values(monkeypatch, capsys):
+    """gpu_check.sh reads exit 1 as a run that ended with #wrong > 0 (its rows count for the
+    bar) and any other failure as one that did not finish: a timeout raised TimeoutError,
+    which no handler caught, and under mpiexec the job aborted with 1."""
+    def late(*args):
+        raise pycoll.CollectiveTimeout("allreduce (ring): rank 0 waited 1 s at step 1 of 2 "
+                                       "for rank(s) 1")
+
+    monkeypatch.setattr(bench, "_measure", late)
+    code = main(["bench", "allreduce", "--ranks", "2", "-b", "8", "-e", "8", "-n", "1", "-w",
+                 "0"])
+    assert code == 2 and "rank 0 waited 1 s" in capsys.readouterr().err
 
 
 def test_json_to_stdout_is_written_once_and_the_table_goes_to_stderr(capsys):

@@ -202,3 +202,18 @@ def test_rows_run_without_the_check_keep_the_bar_from_being_met(tmp_path):
     assert "| allreduce | 2 | 2 | 0 (1 not checked) | 1 MiB .. 1 MiB |" in page
     assert ("#wrong = 0: not shown: rows run without --check in allreduce-2 "
             "(0 wrong values in all)") in page
+
+
+def test_a_test_run_that_skipped_for_want_of_a_gpu_says_why_it_failed(tmp_path):
+    """gpu_check.sh fails a pytest run whose tests skipped for want of a GPU (CuPy saw
+    none): the page shows that verdict beside the counts, not a bare exit 3."""
+    write(tmp_path)
+    (tmp_path / "gpu-tests.txt").write_text(
+        "sss\nSKIPPED [3] tests/test_gpu_collectives.py:47: no CUDA GPU\n3 skipped in 1.0s\n"
+        "# tests skipped for want of a GPU on a GPU machine: counted as failed\n"
+        "# tests/test_gpu_collectives.py: exit 3\n"
+        "..\n2 passed in 1.0s\n# tests/test_kernels_cuda.py: exit 0\n")
+    page = summarize_gpu.main(str(tmp_path))
+    assert ("3 skipped in 1.0s\n# tests skipped for want of a GPU on a GPU machine: counted "
+            "as failed\n# tests/test_gpu_collectives.py: exit 3\n2 passed in 1.0s\n"
+            "# tests/test_kernels_cuda.py: exit 0") in page, page
