@@ -384,24 +384,28 @@ def test_a_thread_a_rank_starts_may_compute_before_it_sends():
     """Rank 0's thread computes, then sends; meanwhile both ranks' own threads wait (rank 0
     for rank 1's reply, rank 1 for the thread's message). Under MPI this completes; the
     verdict counted only threads that had posted, and called it a deadlock at once."""
-    def body():
-        comm = pycoll.world()
-        if comm.rank == 1:
-            got = pycoll.recv(np.zeros(2), 0, tag=1)
-            pycoll.send(got * 10, 0, tag=2)
-            return None
+    assert pycoll.run_local(2, _a_thread_computes_then_sends)[0] == [10.0, 20.0]
 
-        def compute_then_send():
-            time.sleep(0.5)
-            pycoll.send(np.array([1.0, 2.0]), 1, tag=1, comm=comm)
 
-        sender = threading.Thread(target=compute_then_send)
-        sender.start()
-        reply = pycoll.recv(np.zeros(2), 1, tag=2)
-        sender.join()
-        return reply.tolist()
+def _a_thread_computes_then_sends(before_starting=lambda: None):
+    """Rank 0 starts a thread that computes, then sends to rank 1, and waits for rank 1's
+    reply (the message times 10); returns the reply on rank 0."""
+    comm = pycoll.world()
+    if comm.rank == 1:
+        got = pycoll.recv(np.zeros(2), 0, tag=1)
+        pycoll.send(got * 10, 0, tag=2)
+        return None
+    before_starting()
 
-    assert pycoll.run_local(2, body)[0] == [10.0, 20.0]
+    def compute_then_send():
+        time.sleep(0.5)
+        pycoll.send(np.array([1.0, 2.0]), 1, tag=1, comm=comm)
+
+    sender = threading.Thread(target=compute_then_send)
+    sender.start()
+    reply = pycoll.recv(np.zeros(2), 1, tag=2)
+    sender.join()
+    return reply.tolist()
 
 
 def test_an_async_receive_is_done_once_a_peer_fails():
@@ -492,23 +496,9 @@ def test_a_thread_reusing_an_ended_threads_ident_is_still_new():
     lingering = threading.Thread(target=release.wait)
     lingering.start()
 
-    def body():
-        comm = pycoll.world()
-        if comm.rank == 1:
-            got = pycoll.recv(np.zeros(2), 0, tag=1)
-            pycoll.send(got * 10, 0, tag=2)
-            return None
+    def end_the_lingering_thread():
         release.set()
         lingering.join()
 
-        def compute_then_send():
-            time.sleep(0.5)
-            pycoll.send(np.array([1.0, 2.0]), 1, tag=1, comm=comm)
-
-        sender = threading.Thread(target=compute_then_send)
-        sender.start()
-        reply = pycoll.recv(np.zeros(2), 1, tag=2)
-        sender.join()
-        return reply.tolist()
-
-    assert pycoll.run_local(2, body)[0] == [10.0, 20.0]
+    assert pycoll.run_local(2, _a_thread_computes_then_sends,
+                            end_the_lingering_thread)[0] == [10.0, 20.0]
