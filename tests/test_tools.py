@@ -378,8 +378,9 @@ def test_compare_says_when_auto_took_the_one_shot(monkeypatch, tmp_path, capsys)
 
 
 def test_the_small_call_scripts_run(capsys):
-    """bench/call_overhead.py (every collective, and one AllReduce layer by layer) and
-    bench/back_to_back.py (under mpiexec) print a time for each of their rows."""
+    """bench/call_overhead.py (every collective, and one AllReduce layer by layer),
+    bench/back_to_back.py (under mpiexec) and bench/plan_cost.py print a time for each of
+    their rows."""
     import os
     import re
     import runpy
@@ -408,6 +409,10 @@ def test_the_small_call_scripts_run(capsys):
                       done.stdout, re.M)
     assert [name for name, _ in rows] == ["native", "pycoll", "Sendrecv + add"], done.stdout
     assert rows[0][1] == "1.00"
+    runpy.run_path(str(bench / "plan_cost.py"))["main"](1)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 8 and all(re.search(r"ranks, +\w+: +\d+\.\d\d ms per new size", line)
+                                   for line in lines), lines
 
 
 def test_the_ipc_smoke_test_names_the_step_that_failed():
