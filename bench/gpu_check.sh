@@ -24,6 +24,19 @@ export PYTHONUNBUFFERED=1
 # whichever is smaller, so a hanging step cannot push the later ones past 8 minutes.
 deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
 within() { local left=$((deadline - SECONDS)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
+# What a step cut at its cap may leave behind (an mpiexec a test started, its ranks
+# busy-polling and holding GPU contexts) must not run on beside the next step. Only this
+# script's own: every process it starts inherits GPU_CHECK_RUN, and other processes of the
+# machine (another job's mpiexec) do not have it.
+export GPU_CHECK_RUN="$$-$RANDOM"
+reap() {
+  local pid
+  for pid in $(grep -lzxF "GPU_CHECK_RUN=$GPU_CHECK_RUN" /proc/[0-9]*/environ 2>/dev/null \
+      | cut -d/ -f3); do
+    [ "$pid" = "$$" ] || [ "$pid" = "$BASHPID" ] || kill -KILL "$pid" 2>/dev/null
+  done
+  return 0
+}
 
 {
   echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -110,6 +123,7 @@ x = numba.cuda.to_device(numpy.arange(4.0))
 twice[1, 4](x)
 print('numba twice(arange(4)):', x.copy_to_host().tolist())
 " 2>&1 | tee -a "$out/environment.txt"
+
 # The launcher and the MPI library agree: two ranks of one world, not two worlds of one.
 timeout "$(within 30)" mpiexec -n 2 "$python" -P -c "
 from mpi4py import MPI
@@ -120,6 +134,7 @@ print('mpiexec -n 2: rank', MPI.COMM_WORLD.rank, 'of', MPI.COMM_WORLD.size)" 2>&
 timeout -k 5 "$(within 40)" mpiexec -n 2 "$python" -P bench/ipc_smoke.py 2>&1 \
   | tee -a "$out/environment.txt"
 ipc_smoke_status=${PIPESTATUS[0]}
+reap
 echo "# bench/ipc_smoke.py: exit $ipc_smoke_status" | tee -a "$out/environment.txt"
 
 # Every host wait of a collective from here on, in the tests as in the benchmarks, raises
@@ -141,20 +156,6 @@ report() {
   fi
 }
 report
-
-# What a step cut at its cap may leave behind (an mpiexec a test started, its ranks
-# busy-polling and holding GPU contexts) must not run on beside the next step. Only this
-# script's own: every process it starts inherits GPU_CHECK_RUN, and other processes of the
-# machine (another job's mpiexec) do not have it.
-export GPU_CHECK_RUN="$$-$RANDOM"
-reap() {
-  local pid
-  for pid in $(grep -lzxF "GPU_CHECK_RUN=$GPU_CHECK_RUN" /proc/[0-9]*/environ 2>/dev/null \
-      | cut -d/ -f3); do
-    [ "$pid" = "$$" ] || [ "$pid" = "$BASHPID" ] || kill -KILL "$pid" 2>/dev/null
-  done
-  return 0
-}
 
 # 1. Collectives between MPI ranks sharing the GPU over CUDA IPC, every algorithm, checked:
 # issue 4's #wrong = 0 bar first.

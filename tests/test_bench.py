@@ -247,6 +247,35 @@ def test_a_collective_timeout_exits_2_not_1_which_says_wrong_values(monkeypatch,
     assert code == 2 and "rank 0 waited 1 s" in capsys.readouterr().err
 
 
+TIMED_OUT_BESIDE_A_STUCK_PEER = """
+import sys, time
+import pycoll
+from mpi4py import MPI
+from pycoll import bench, cli
+
+def measure(*args):
+    if MPI.COMM_WORLD.rank == 0:
+        raise pycoll.CollectiveTimeout("allreduce (ring): rank 0 waited 1 s at step 1 of 2")
+    time.sleep(60)  # where no deadline reaches (a wait on a GPU stream)
+
+bench._measure = measure
+sys.exit(cli.main(["bench", "allreduce", "-b", "8", "-e", "8", "-n", "1", "-w", "0"]))
+"""
+
+
+def test_a_collective_timeout_under_mpiexec_ends_the_job_with_2():
+    """Returning 2 on the timed-out rank alone left the job to a peer stuck where no
+    deadline reaches; the job is ended with 2 (gpu_check.sh's step then reads 2, not its own
+    time limit)."""
+    from test_mpi import mpiexec
+
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c",
+                           TIMED_OUT_BESIDE_A_STUCK_PEER],
+                          capture_output=True, text=True, timeout=50)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "rank 0 waited 1 s" in done.stderr
+
+
 def test_json_to_stdout_is_written_once_and_the_table_goes_to_stderr(capsys):
     assert main(["bench", "reduce_scatter", "--ranks", "3", "-b", "24", "-e", "96", "-f", "4",
                  "-n", "1", "-w", "0", "--check", "1", "--json", "-"]) == 0
