@@ -297,7 +297,9 @@ def _bench(args: argparse.Namespace) -> int:
         # a collective's timeout too: exit 1 says the run ended with wrong values, no more
         print(f"pycoll bench: {error}", file=sys.stderr)
         if isinstance(error, TimeoutError) and args.ranks is None and size > 1:
-            _abort_job(2)  # a peer may wait where no deadline reaches (a GPU stream)
+            from pycoll.comm import abort_job
+
+            abort_job(2)  # a peer may wait where no deadline reaches (a GPU stream)
         return 2
     except MemoryError:
         print(f"pycoll bench: --max-bytes={args.max_bytes}: cannot allocate the buffers",
@@ -306,18 +308,6 @@ def _bench(args: argparse.Namespace) -> int:
     if rank == 0:
         stream.close(rows)
     return 0 if all(not r.wrong for r in rows) else 1  # None: not checked
-
-
-def _abort_job(code: int) -> None:
-    """End every rank of the MPI job with ``code``, as pycoll does for an uncaught exception
-    (pycoll/comm.py), after a pause for the launcher to forward what was printed."""
-    import time
-
-    from mpi4py import MPI
-
-    sys.stderr.flush()
-    time.sleep(0.5)
-    MPI.COMM_WORLD.Abort(code)
 
 
 def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:

@@ -891,6 +891,14 @@ def world() -> Communicator:
 _abort_installed = False
 
 
+def abort_job(code: int) -> None:
+    """End every rank of the MPI job with ``code``, after a pause that gives the launcher
+    time to forward what this rank wrote (the job's teardown may drop the rest)."""
+    sys.stderr.flush()
+    time.sleep(0.5)
+    mpi().COMM_WORLD.Abort(code)
+
+
 def _abort_job_on_uncaught_exception() -> None:
     """A rank that dies of an exception takes the job down instead of leaving peers waiting
     (installed once per process, by the first MPI communicator, whichever way it is made)."""
@@ -911,9 +919,7 @@ def _abort_job_on_uncaught_exception() -> None:
             previous(kind, error, traceback)
         else:
             previous_in_thread(report)
-        sys.stderr.flush()
-        time.sleep(0.5)
-        everyone.Abort(1)
+        abort_job(1)
 
     def abort_from_thread(report: Any) -> None:
         # a program's own thread: peers wait for its collectives as for the main thread's
