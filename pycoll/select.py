@@ -205,22 +205,19 @@ def estimate(collective, family, nranks, nsegments, root, topology, itemsize, co
     nchunks = model.chunks_of(collective, family, nranks, nsegments, root,
                               topology.ranks_per_node)
     if count <= 64 * nchunks:
-        # an exact play per count cost each new size 41 ms at 5 ranks, 124 ms at 8 (every
-        # rank's program compiled for each family and segment count)
-        low = count - count % nchunks
-        if low == count or low == 0:
-            return _exact(key, topology, itemsize, count)
-        t_low = _exact(key, topology, itemsize, low)
-        t_high = _exact(key, topology, itemsize, low + nchunks)
-        return t_low + (t_high - t_low) * (count - low) / nchunks
-    # even chunks at both ends where nchunks is a power of two: the powers of two themselves
-    unit = nchunks if model.symmetric(collective, family, nranks, topology.ranks_per_node) else 1
-    low = unit << ((count // unit).bit_length() - 1)
-    if low == count:
+        # the chunk count's multiples: an exact play per count cost each new size 41 ms at 5
+        # ranks, 124 ms at 8 (every rank's program compiled for each family and segments)
+        low, width = count - count % nchunks, nchunks
+    else:
+        # even chunks at both ends where nchunks is a power of two: the powers of two
+        unit = (nchunks if model.symmetric(collective, family, nranks, topology.ranks_per_node)
+                else 1)
+        low = width = unit << ((count // unit).bit_length() - 1)
+    if low == count or low == 0:
         return _exact(key, topology, itemsize, count)
     t_low = _exact(key, topology, itemsize, low)
-    t_high = _exact(key, topology, itemsize, 2 * low)
-    return t_low + (t_high - t_low) * (count - low) / low
+    t_high = _exact(key, topology, itemsize, low + width)
+    return t_low + (t_high - t_low) * (count - low) / width
 
 
 @functools.lru_cache(maxsize=8192)
