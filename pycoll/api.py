@@ -17,7 +17,7 @@ import numpy as np
 from pycoll import agree, algorithms, select, verify
 from pycoll.bindings.transport import ChannelsCrossed, CollectiveTimeout, WaitTimeout
 from pycoll.comm import Communicator, is_int, world
-from pycoll.execute import compile_program, run, some_rank_forwards
+from pycoll.execute import compile_program, player, run, some_rank_forwards
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
 from pycoll.schedule import SHARDED, Collective, Layout, split
 from pycoll.settings import switch
@@ -1000,20 +1000,43 @@ def _run(
 def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
              tag: int | None = None, agreed: bool = False) -> None:
     """Run a prepared call on this call's arrays (``x`` and ``work`` of the prepared shape)."""
-    p2p = call.collective is Collective.SENDRECV  # Send/Recv: no agreement, its own endpoint
-    if comm.check and not agreed and not comm.agreeing and not p2p:
+    if (comm.check and not agreed and not comm.agreeing
+            and call.collective is not Collective.SENDRECV):  # Send/Recv: no agreement
         _agree(comm, call.collective, x, call.op, call.algorithm, call.blocks, call.root)
     if select.DEBUG and not comm.agreeing:  # the agreement's own exchange is not news
         select.report(call.plan, comm.rank)
-    space = call.space
     source = x if x.ndim == 1 else x.reshape(-1)
     target = work if work.ndim == 1 else work.reshape(-1)
-    if call.reads_input_late and space.shares_memory(source, target):
+    if call.reads_input_late and call.space.shares_memory(source, target):
         # in place, yet the schedule reads INPUT after WORK changed
+        space = call.space
         source, original = comm.buffer("input", source.size, source.dtype, space), source
         space.copy(source, original)
     tag = comm.next_tag() if tag is None else tag
-    if space.is_device:  # Send/Recv: the endpoint to the one other rank of the pair
+    kept = call.kept
+    if kept is None or kept[2] != (source.size, target.size):  # (not kept: device calls)
+        kept = _player(comm, call, source, target)
+    play, scratch, _ = kept
+    try:
+        play(source, target, scratch, tag)
+    except (CollectiveTimeout, ChannelsCrossed) as error:
+        raise comm.broken_by(error) from None
+
+
+# A kept host call's own scratch, at most (larger ones borrow comm.buffer's per call): the
+# small calls whose time is mostly pycoll's, and no more than PREPARED_CALLS of these (8 MiB)
+KEPT_SCRATCH_BYTES = 8 << 10
+
+
+def _player(comm: Communicator, call: PreparedCall, source: Array,
+            target: Array) -> tuple[Any, Any, tuple[int, int]]:
+    """How ``call`` runs on arrays of these sizes: (play(source, work, scratch, tag), its own
+    scratch or None, the sizes). A host call keeps it for every later call (the transport,
+    and over one that does not deliver, execute.player's slices, made once), and a small
+    call its own scratch too."""
+    space, sizes = call.space, (source.size, target.size)
+    p2p = call.collective is Collective.SENDRECV  # Send/Recv: its own endpoint
+    if space.is_device:  # Send/Recv's: to the one other rank of the pair
         try:
             transport = comm.device_transport(space, (call.root, call.peer) if p2p else None)
         except WaitTimeout as late:
@@ -1021,16 +1044,26 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
     else:
         transport = comm.p2p if p2p else comm.host_transport()
     program = call.program
-    scratch = None
-    if program.scratch_elements and not getattr(transport, "delivers", False):
-        scratch = comm.buffer("scratch", program.scratch_elements, target.dtype, space)
-    try:
-        run(program, source, target, transport, tag, call.reduce, space, scratch, call.what,
-            comm.traffic.add, call.reduce_n, call.reduce_copy, call.copy_pair)
-    except (CollectiveTimeout, ChannelsCrossed) as error:
-        raise comm.broken_by(error) from None
+    if space.is_device or getattr(transport, "delivers", False):
+        def play_delivered(source: Array, work: Array, _: None, tag: int) -> None:
+            run(program, source, work, transport, tag, call.reduce, space, None, call.what,
+                comm.traffic.add, call.reduce_n, call.reduce_copy, call.copy_pair)
 
+        kept = (play_delivered, None, sizes)
+        if not space.is_device:  # (a device call asks for its endpoint each time)
+            call.kept = kept
+        return kept
+    play = player(program, transport, call.reduce, space, call.what, comm.traffic.add,
+                  (*sizes, target.itemsize))
+    elements, dtype = program.scratch_elements, target.dtype
+    if elements * dtype.itemsize <= KEPT_SCRATCH_BYTES:
+        call.kept = (play, space.empty(elements, dtype) if elements else None, sizes)
+    else:
+        def play_in_shared(source: Array, work: Array, _: None, tag: int) -> None:
+            play(source, work, comm.buffer("scratch", elements, dtype, space), tag)
 
+        call.kept = (play_in_shared, None, sizes)
+    return call.kept
 
 
 def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,
@@ -1108,9 +1141,10 @@ def _prepare(comm: Communicator, key: tuple) -> PreparedCall:
     return prepared
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class PreparedCall:
-    """What calls of one shape need, made once per communicator (``_prepare``)."""
+    """What calls of one shape need, made once per communicator (``_prepare``); a host call
+    keeps how it runs after its first (``_player``)."""
 
     collective: Collective
     algorithm: str
@@ -1127,6 +1161,8 @@ class PreparedCall:
     copy_pair: Any
     reads_input_late: bool  # the schedule reads INPUT after WORK changed
     what: str  # the collective and family, for a timeout's message
+    kept: tuple[Any, Any, tuple[int, int]] | None = dataclasses.field(default=None, repr=False,
+                                                                      compare=False)
 
 
 def _forwarding() -> bool:

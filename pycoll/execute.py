@@ -326,84 +326,157 @@ def run(
     current stream). A transport that ``delivers`` takes each reduction with its receive and
     combines the incoming data where it lands (a peer-memory inbox, a staging buffer);
     otherwise data arrives in ``scratch`` (at least ``program.scratch_elements`` long; made
-    here when not given) and is reduced here. ``count(peer, nbytes)``, when given, is told
-    of every message handed to the transport (pycoll/traffic.py). ``reduce_n(dst, sources)``,
-    when given, and when the transport ``lends_until_next_step`` (what it lends a combine stays
-    readable until its next call), does a step's reductions into one range in one pass
-    after the step's messages are in, folding in the same order as one by one.
-    ``copy_pair(dst, peer, src)`` (dst = peer = src) and ``reduce_copy(dst, peer, a, b)``
-    (dst = peer = a op b), when given, and when the transport ``forwards`` (its ``isend``
-    takes ``produced_by``: the message is written as that receive is combined), write a
-    chunk the next step sends straight into the receiver's buffer as well, as it is copied
-    or reduced into place (``Program.forwards``), one pass instead of two; every rank then
-    posts its receives a step ahead (``copy_pair`` given: the device space's, on every
-    rank alike), each step's as one batch (``transport.start_batch()``). A transport that
-    can ``reserve(nbytes)`` is told once what the call's receives hold at once.
+    here when not given) and is reduced here (:func:`player`). ``count(peer, nbytes)``, when
+    given, is told of every message handed to the transport (pycoll/traffic.py).
+    ``reduce_n(dst, sources)``, when given, and when the transport ``lends_until_next_step``
+    (what it lends a combine stays readable until its next call), does a step's reductions
+    into one range in one pass after the step's messages are in, folding in the same order
+    as one by one. ``copy_pair(dst, peer, src)`` (dst = peer = src) and
+    ``reduce_copy(dst, peer, a, b)`` (dst = peer = a op b), when given, and when the
+    transport ``forwards`` (its ``isend`` takes ``produced_by``: the message is written as
+    that receive is combined), write a chunk the next step sends straight into the
+    receiver's buffer as well, as it is copied or reduced into place (``Program.forwards``),
+    one pass instead of two; every rank then posts its receives a step ahead (``copy_pair``
+    given: the device space's, on every rank alike), each step's as one batch
+    (``transport.start_batch()``). A transport that can ``reserve(nbytes)`` is told once
+    what the call's receives hold at once.
     """
-    for in_start, in_stop, work_start, work_stop in program.seeds:
-        target = work[work_start:work_stop]
-        incoming = source[in_start:in_stop]
-        if not space.may_share_memory(incoming, target):  # the caller forbids partial overlap
-            space.copy(target, incoming)
+    if not getattr(transport, "delivers", False):
+        if scratch is None and program.scratch_elements:
+            scratch = space.empty(program.scratch_elements, work.dtype)
+        elif scratch is not None and scratch.size != program.scratch_elements:
+            scratch = scratch[: program.scratch_elements]  # player's length
+        play = player(program, transport, reduce, space, what, count,
+                      (source.size, work.size, work.itemsize))
+        play(source, work, scratch, tag)
+        return
+    _seed(program.seeds, source, work, space)
     if not program.steps:
         return
     at = [0]  # the step being run, for a timeout's message
     try:
-        if getattr(transport, "delivers", False):
-            if reduce_n is None or not getattr(transport, "lends_until_next_step", False):
-                reduce_n = None
-            if not (program.posts_ahead and getattr(transport, "forwards", False)):
-                reduce_copy = copy_pair = None
-            _run_delivered(program, source, work, transport, tag, reduce, space, at, count,
-                           reduce_n, reduce_copy, copy_pair)
-        else:
-            _run_steps(program, source, work, transport, tag, reduce, space, scratch, at,
-                       count)
+        if reduce_n is None or not getattr(transport, "lends_until_next_step", False):
+            reduce_n = None
+        if not (program.posts_ahead and getattr(transport, "forwards", False)):
+            reduce_copy = copy_pair = None
+        _run_delivered(program, source, work, transport, tag, reduce, space, at, count,
+                       reduce_n, reduce_copy, copy_pair)
     except WaitTimeout as late:
-        raise CollectiveTimeout(
-            f"{what}: rank {transport.rank} waited {late.seconds:g} s at step {at[0] + 1} of "
-            f"{len(program.steps)} for rank(s) {', '.join(map(str, late.peers))}"
-        ) from None
+        raise _timed_out(what, transport, at[0], len(program.steps), late) from None
 
 
-def _run_steps(program, source, work, transport, tag, reduce, space, scratch, at,
-                       count) -> None:
-    if scratch is None and program.scratch_elements:
-        scratch = space.empty(program.scratch_elements, work.dtype)
-    for index, (receives, transmits) in enumerate(program.steps):
-        at[0] = index
-        if len(receives) == 1 and len(transmits) == 1:  # a ring step, or a pair exchange
-            r, t = receives[0], transmits[0]
-            out = (source if t.from_input else work)[t.start : t.stop]
-            if count is not None:
-                count(t.peer, out.nbytes)
-            if r.scratch < 0:
-                transport.sendrecv(out, t.peer, work[r.start : r.stop], r.peer, tag)
-                continue
-            into = scratch[: r.stop - r.start]
-            transport.sendrecv(out, t.peer, into, r.peer, tag)
-            if r.fused is not None and not r.own_last:  # the pair's usual case, inline
-                reduce(work[r.start : r.stop], into, source[r.fused[0] : r.fused[1]])
-            else:
-                _reduce(reduce, space, work, source, r, into)
+def _seed(seeds, source, work, space: Any) -> None:
+    for in_start, in_stop, work_start, work_stop in seeds:
+        target = work[work_start:work_stop]
+        incoming = source[in_start:in_stop]
+        if not space.may_share_memory(incoming, target):  # the caller forbids partial overlap
+            space.copy(target, incoming)
+
+
+def _timed_out(what: str, transport: Transport, index: int, steps: int,
+               late: WaitTimeout) -> CollectiveTimeout:
+    return CollectiveTimeout(
+        f"{what}: rank {transport.rank} waited {late.seconds:g} s at step {index + 1} of "
+        f"{steps} for rank(s) {', '.join(map(str, late.peers))}")
+
+
+def player(program: Program, transport: Transport, reduce: Reducer, space: Any = HOST,
+           what: str = "collective", count: Callable[[int, int], None] | None = None,
+           sizes: tuple[int, int, int] = (0, 0, 0)) -> Callable[[Any, Any, Any, int], None]:
+    """``run`` over a transport that does not deliver, made once for arrays of ``sizes``
+    (INPUT's and WORK's elements, the itemsize), so that a repeated call pays only for its
+    messages and reductions: ``play(source, work, scratch, tag)``, ``scratch`` exactly
+    ``program.scratch_elements`` long.
+
+    A step of one receive and one transmit (ring, halving-doubling and two-rank steps) is
+    one ``sendrecv``, its ranges made slices here (none where a range is the whole array:
+    no view to make per call); other steps post their receives, then their sends, wait for
+    all, and reduce in the listed order.
+    """
+    played = _played(program, *sizes)
+    seeds, steps = program.seeds, len(played)
+    sendrecv = transport.sendrecv
+
+    def play(source: Any, work: Any, scratch: Any, tag: int) -> None:
+        if seeds:
+            _seed(seeds, source, work, space)
+        index = 0
+        try:
+            for index, step in enumerate(played):  # noqa: B007 (the timeout names it)
+                receive, from_input, sent, peer_to, nbytes, target, peer_from, inbox, own = step
+                if receive is None:  # several messages (from_input, sent: the step's)
+                    _exchange(from_input, sent, source, work, scratch, transport, tag, reduce,
+                              space, count)
+                    continue
+                out = source if from_input else work
+                if sent is not None:
+                    out = out[sent]
+                if count is not None:
+                    count(peer_to, nbytes)
+                into = work if target is None else work[target]
+                if inbox is False:  # a copy, into place
+                    sendrecv(out, peer_to, into, peer_from, tag)
+                    continue
+                incoming = scratch if inbox is None else scratch[inbox]
+                sendrecv(out, peer_to, incoming, peer_from, tag)
+                if own is not False:  # the pair's usual case: own INPUT op incoming
+                    reduce(into, incoming, source if own is None else source[own])
+                else:
+                    _reduce(reduce, space, work, source, receive, incoming)
+        except WaitTimeout as late:
+            raise _timed_out(what, transport, index, steps, late) from None
+
+    return play
+
+
+def _played(program: Program, source_size: int, work_size: int, itemsize: int) -> tuple:
+    """``player``'s steps for arrays of these sizes. A pair step: (receive, from_input, sent,
+    peer_to, nbytes, target, peer_from, inbox, own) with ``sent``, ``target`` (WORK),
+    ``inbox`` (scratch) and ``own`` (INPUT) slices, None for a whole array; ``inbox`` False
+    for a copy into place, ``own`` False unless the reduction is ``own op incoming``. Other
+    steps: (None, receives, transmits, ...)."""
+
+    def part(start: int, stop: int, size: int) -> slice | None:
+        return None if start == 0 and stop == size else slice(start, stop)
+
+    played = []
+    for receives, transmits in program.steps:
+        if len(receives) != 1 or len(transmits) != 1:
+            played.append((None, receives, transmits, None, 0, None, 0, None, None))
             continue
-        requests = []
-        reductions = []
-        for r in receives:  # receives first, so that sends find them posted
-            if r.scratch < 0:
-                requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag))
-            else:
-                into = scratch[r.scratch : r.scratch + r.stop - r.start]
-                requests.append(transport.irecv(into, r.peer, tag))
-                reductions.append((r, into))
-        for t in transmits:
-            out = (source if t.from_input else work)[t.start : t.stop]
-            if count is not None:
-                count(t.peer, out.nbytes)
-            requests.append(transport.isend(out, t.peer, tag))
-        transport.waitall(requests)
-        for r, incoming in reductions:
-            _reduce(reduce, space, work, source, r, incoming)
+        (r,), (t,) = receives, transmits
+        sent = part(t.start, t.stop, source_size if t.from_input else work_size)
+        inbox: slice | None | bool = False
+        own: slice | None | bool = False
+        if r.scratch >= 0:
+            inbox = part(r.scratch, r.scratch + r.stop - r.start, program.scratch_elements)
+            if r.fused is not None and not r.own_last:
+                own = part(*r.fused, source_size)
+        played.append((r, t.from_input, sent, t.peer, (t.stop - t.start) * itemsize,
+                       part(r.start, r.stop, work_size), r.peer, inbox, own))
+    return tuple(played)
+
+
+def _exchange(receives, transmits, source, work, scratch, transport, tag: int,
+              reduce: Reducer, space: Any, count) -> None:
+    """A step of several messages: receives first, so that sends find them posted."""
+    requests = []
+    reductions = []
+    for r in receives:
+        if r.scratch < 0:
+            requests.append(transport.irecv(work[r.start : r.stop], r.peer, tag))
+        else:
+            into = scratch[r.scratch : r.scratch + r.stop - r.start]
+            requests.append(transport.irecv(into, r.peer, tag))
+            reductions.append((r, into))
+    for t in transmits:
+        out = (source if t.from_input else work)[t.start : t.stop]
+        if count is not None:
+            count(t.peer, out.nbytes)
+        requests.append(transport.isend(out, t.peer, tag))
+    transport.waitall(requests)
+    for r, incoming in reductions:
+        _reduce(reduce, space, work, source, r, incoming)
 
 
 def _run_delivered(program: Program, source, work, transport, tag: int, reduce: Reducer,

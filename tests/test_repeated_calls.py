@@ -203,3 +203,35 @@ def test_a_forced_segment_count_reaches_a_remembered_call(monkeypatch, caplog):
     assert sum("ring x1 segments" in line for line in lines) == 4, lines
     assert sum("ring x3 segments" in line for line in lines) == 2, lines
     assert all(np.array_equal(r, 2 * x) for rank in results for r in rank)
+
+
+def test_a_kept_call_holds_its_own_scratch_only_when_small():
+    """A repeated host call keeps how it runs after its first (api._player): small calls
+    their own scratch too, larger ones borrow the communicator's buffer on each call, so that
+    a sweep of sizes holds at most PREPARED_CALLS small scratches. Both stay right over new
+    values, interleaved, the large one's borrowed buffer reused by another call between."""
+    from pycoll.api import KEPT_SCRATCH_BYTES, PreparedCall
+
+    small_rows, large_rows = 5, KEPT_SCRATCH_BYTES // 4  # float64 pairs: x of 4 x the bytes
+
+    def body():
+        comm, rank, wrong = pycoll.world(), pycoll.world().rank, []
+        for seed in range(3):
+            for rows, algorithm in ((small_rows, "ring"), (large_rows, "ring"),
+                                    (large_rows, "tree"), (small_rows, "tree")):
+                x = exact_input(rank, (rows, 2), np.dtype(np.float64), "sum", seed)
+                inputs = [exact_input(r, rows * 2, np.dtype(np.float64), "sum", seed)
+                          for r in range(2)]
+                got = pycoll.allreduce(x, algorithm=algorithm)
+                wrong += [] if np.array_equal(got.reshape(-1), oracle.allreduce(inputs, "sum")) \
+                    else [(seed, rows, algorithm)]
+        kept = {call.program.scratch_elements * 8: call.kept for call in comm.prepared.values()
+                if isinstance(call, PreparedCall) and call.program.scratch_elements}
+        return wrong, {nbytes: (play is not None, scratch is not None)
+                       for nbytes, (play, scratch, _) in kept.items()}
+
+    for wrong, kept in pycoll.run_local(2, body):
+        assert wrong == []
+        assert kept and all(play for play, _ in kept.values())
+        assert all(own == (nbytes <= KEPT_SCRATCH_BYTES) for nbytes, (_, own) in kept.items())
+        assert any(not own for _, own in kept.values()) and any(own for _, own in kept.values())
