@@ -24,6 +24,9 @@ export PYTHONUNBUFFERED=1
 # whichever is smaller, so a hanging step cannot push the later ones past 8 minutes.
 deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
 within() { local left=$((deadline - SECONDS)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
+# A step begun with under 5 s left would be cut at once and read as a hang (exit 124): it is
+# skipped instead, with exit 125, as the IPC runs after one that failed are.
+no_time_left() { [ $((deadline - SECONDS)) -lt 5 ]; }
 # What a step cut at its cap may leave behind (an mpiexec a test started, its ranks
 # busy-polling and holding GPU contexts) must not run on beside the next step. Only this
 # script's own: every process it starts inherits GPU_CHECK_RUN, and other processes of the
@@ -125,16 +128,21 @@ print('numba twice(arange(4)):', x.copy_to_host().tolist())
 " 2>&1 | tee -a "$out/environment.txt"
 
 # The launcher and the MPI library agree: two ranks of one world, not two worlds of one.
-timeout "$(within 30)" mpiexec -n 2 "$python" -P -c "
-from mpi4py import MPI
-print('mpiexec -n 2: rank', MPI.COMM_WORLD.rank, 'of', MPI.COMM_WORLD.size)" 2>&1 \
-  | tee -a "$out/environment.txt"
 # CUDA IPC itself, with CuPy alone: export, open, event wait, read and write between two
 # processes; where it fails, the step and error say so beside the collectives' own errors.
-timeout -k 5 "$(within 40)" mpiexec -n 2 "$python" -P bench/ipc_smoke.py 2>&1 \
-  | tee -a "$out/environment.txt"
-ipc_smoke_status=${PIPESTATUS[0]}
-reap
+if no_time_left; then
+  echo "# mpiexec and IPC smoke test skipped, no time left" | tee -a "$out/environment.txt"
+  ipc_smoke_status=125
+else
+  timeout "$(within 30)" mpiexec -n 2 "$python" -P -c "
+from mpi4py import MPI
+print('mpiexec -n 2: rank', MPI.COMM_WORLD.rank, 'of', MPI.COMM_WORLD.size)" 2>&1 \
+    | tee -a "$out/environment.txt"
+  timeout -k 5 "$(within 40)" mpiexec -n 2 "$python" -P bench/ipc_smoke.py 2>&1 \
+    | tee -a "$out/environment.txt"
+  ipc_smoke_status=${PIPESTATUS[0]}
+  reap
+fi
 echo "# bench/ipc_smoke.py: exit $ipc_smoke_status" | tee -a "$out/environment.txt"
 
 # Every host wait of a collective from here on, in the tests as in the benchmarks, raises
@@ -170,8 +178,14 @@ ipc_failed=""
 bench_collective() {  # LABEL JSON_NAME RANKS COLLECTIVE [ARGS...]
   local label=$1 name=$2 ranks=$3 collective=$4
   shift 4
-  if [ -n "$ipc_failed" ] && [ "${PYCOLL_DEVICE_TRANSPORT:-}" != staged ]; then
-    printf '%s\n' "# skipped, after $ipc_failed:" \
+  local skip=""
+  if no_time_left; then
+    skip="no time left"
+  elif [ -n "$ipc_failed" ] && [ "${PYCOLL_DEVICE_TRANSPORT:-}" != staged ]; then
+    skip="after $ipc_failed"
+  fi
+  if [ -n "$skip" ]; then
+    printf '%s\n' "# skipped, $skip:" \
       "# $collective on $ranks ranks$label: exit 125" | tee -a "$out/collectives.txt"
     return 125
   fi
@@ -208,9 +222,15 @@ fi
 report
 
 # 2. Each kernel's bandwidth (bytes read + written) against device copy and CuPy's add.
-timeout -s INT -k 10 "$(within 120)" "$python" -P -m pycoll bench kernels -b 1M -e 1G -f 4 \
-  -d float32,bfloat16 --backend cupy,numba --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt"
-bench_status=${PIPESTATUS[0]}
+if no_time_left; then
+  echo "# skipped, no time left: exit 125" | tee "$out/kernels.txt"
+  bench_status=125
+else
+  timeout -s INT -k 10 "$(within 120)" "$python" -P -m pycoll bench kernels -b 1M -e 1G -f 4 \
+    -d float32,bfloat16 --backend cupy,numba --json "$out/kernels.json" 2>&1 \
+    | tee "$out/kernels.txt"
+  bench_status=${PIPESTATUS[0]}
+fi
 report
 
 # pytest on FILE with at most CAP seconds: SIGINT at the cap, so pytest still prints its
@@ -221,6 +241,10 @@ report
 # GPU: a run where CuPy sees none would otherwise pass with everything skipped.
 gpu_tests() {  # CAP FILE [LABEL [SELECTION]]
   local label=${3:-$2} selection=${4:+ and ($4)}
+  if no_time_left; then
+    printf '%s\n' "# skipped, no time left" "# $label: exit 125" | tee -a "$out/gpu-tests.txt"
+    return 125
+  fi
   timeout -s INT -k 20 "$(within "$1")" "$python" -P -m pytest -q -rs -p no:cacheprovider \
     -o faulthandler_timeout=60 \
     -k "not nvcc and not nvrtc_compiles and not compile_to_ptx and not simulator_suite and not on-host$selection" \

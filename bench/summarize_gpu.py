@@ -96,7 +96,7 @@ def kernel_section(rows: list[dict]) -> list[str]:
 def run_exits(folder: Path) -> dict[str, int]:
     """Each collective run's exit status, from collectives.txt's closing lines, by the name
     of its JSON file without '.json' (124: stopped by gpu_check.sh's time limit; 125:
-    skipped after an IPC run timed out or failed)."""
+    skipped, after an IPC run timed out or failed, or with no time left)."""
     prefix_of = {said: prefix for prefix, (said, _, _) in VARIANTS.items()}
     exits = {}
     for line in (_read(folder / "collectives.txt") or "").splitlines():
@@ -156,7 +156,7 @@ def collective_section(folder: Path) -> list[str]:
         said = ", ".join(f"{name}: exit {exits[name]}" for name in unfinished)
         verdict = (f"not shown: {len(unfinished)} run(s) did not finish ({said}; exit 124 is "
                    "gpu_check.sh's time limit, 125 skipped after an IPC run timed out or "
-                   "failed, 2 a refusal such as no GPU)")
+                   "failed or with no time left, 2 a refusal such as no GPU)")
     elif total_wrong == 0 and unchecked:
         verdict = f"not shown: rows run without --check in {', '.join(unchecked)}"
     else:

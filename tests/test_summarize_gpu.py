@@ -114,12 +114,10 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path, ipc_fails):
     refuses CUDA IPC would (3), or where it hangs on the GPU until the run's time limit
     (124): the other IPC runs are then skipped (125), and one staged AllReduce runs, outside
     the IPC bar."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     row = json.dumps([collective("allreduce", 2, MiB, "ring", 9)])
     out = tmp_path / "out"
     calls = tmp_path / "calls.txt"
-    (bin_dir / "mpiexec").write_text(f"""#!/bin/sh
+    run = _gpu_check(tmp_path, "12", f"""#!/bin/sh
 # which step this is, and whether $OUT already held a page (written after the step before)
 for a in "$@"; do [ "$a" = --json ] && json=1; done
 [ -n "$json" ] || exit 0
@@ -129,15 +127,6 @@ echo "${{PYCOLL_DEVICE_TRANSPORT:-ipc}} $page" >> "{calls}"
 while [ $# -gt 0 ]; do [ "$1" = --json ] && echo '{row}' > "$2"; shift; done
 exit 0
 """)
-    (bin_dir / "mpiexec").chmod(0o755)
-    tree = tmp_path / "tree"  # the source tree without .whl/ (whose mpiexec would come first)
-    for part in ("bench", "pycoll", "kernels", "bindings", "tests"):
-        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
-    env = {**os.environ, "OUT": str(out), "GPU_CHECK_SECONDS": "1", "PYTHON": sys.executable,
-           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    env.pop("PYCOLL_DEVICE_TRANSPORT", None)
-    run = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=tree, env=env, capture_output=True,
-                         text=True, timeout=120)
     assert run.returncode != 0, run.stdout  # no GPU: the tests and the kernel bench fail
     files = [p for p in out.rglob("*") if p.is_file()]
     assert 0 < len(files) <= 8, files
@@ -170,6 +159,38 @@ exit 0
     assert names == sorted(archived), names
 
 
+def _gpu_check(tmp_path: Path, seconds: str, mpiexec: str) -> subprocess.CompletedProcess:
+    """bench/gpu_check.sh run on a copy of the tree with GPU_CHECK_SECONDS=``seconds``, its
+    $OUT in tmp_path/out, and ``mpiexec`` (a script) first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mpiexec").write_text(mpiexec)
+    (bin_dir / "mpiexec").chmod(0o755)
+    tree = tmp_path / "tree"  # the source tree without .whl/ (whose mpiexec would come first)
+    for part in ("bench", "pycoll", "kernels", "bindings", "tests"):
+        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_SECONDS": seconds,
+           "PYTHON": sys.executable, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("PYCOLL_DEVICE_TRANSPORT", None)
+    return subprocess.run(["bash", "bench/gpu_check.sh"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_gpu_check_starts_no_step_once_its_time_is_spent(tmp_path):
+    """A step that would start with under 5 s left is skipped (exit 125), not started with a
+    1 s cap and then read as a hang (124): here with 1 s for the whole script."""
+    started = tmp_path / "started.txt"
+    run = _gpu_check(tmp_path, "1", f'#!/bin/sh\necho "$@" >> "{started}"\nexit 0\n')
+    assert run.returncode != 0, run.stdout
+    assert not started.exists(), started.read_text()  # not even the preflight's
+    page = (tmp_path / "out" / "gpu-summary.md").read_text()
+    assert "ipc smoke exit 125, gpu tests exit 125 (collectives), 125 (kernels), kernel " \
+           "bench exit 125, collectives exit 125" in page, page
+    assert "# tests/test_kernels_cuda.py::numba-matrix: exit 125" in page, page
+    assert "| allreduce | 2 | 0 | - | - | - | 125 |" in page, page
+    assert "| 124 |" not in page and ": exit 124" not in page, page
+
+
 def test_a_collective_run_stopped_by_the_time_limit_keeps_the_bar_from_being_met(tmp_path):
     """A run killed part way leaves the rows it measured (pycoll bench rewrites its JSON per
     row) and its exit status in collectives.txt; one killed before its first row, only that."""
@@ -186,7 +207,8 @@ def test_a_collective_run_stopped_by_the_time_limit_keeps_the_bar_from_being_met
     assert "| allreduce (PYCOLL_FORWARD=0) | 4 | 0 | - | - | - | 124 |" in page
     assert ("#wrong = 0: not shown: 2 run(s) did not finish (allgather-4: exit 124, "
             "unforwarded-allreduce-4: exit 124; exit 124 is gpu_check.sh's time limit, 125 "
-            "skipped after an IPC run timed out or failed, 2 a refusal such as no GPU)") in page
+            "skipped after an IPC run timed out or failed or with no time left, 2 a refusal "
+            "such as no GPU)") in page
     (tmp_path / "collectives.txt").write_text(
         "# allreduce on 2 ranks: exit 0\n# allgather on 4 ranks: exit 0\n")
     assert "#wrong = 0: met (0 wrong values in all)" in summarize_gpu.main(str(tmp_path))
