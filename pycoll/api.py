@@ -1053,8 +1053,8 @@ def _player(comm: Communicator, call: PreparedCall, source: Array,
         if not space.is_device:  # (a device call asks for its endpoint each time)
             call.kept = kept
         return kept
-    play = player(program, transport, call.reduce, space, call.what, comm.traffic.add,
-                  (*sizes, target.itemsize))
+    play = player(program, (*sizes, target.itemsize), transport, call.reduce, space, call.what,
+                  comm.traffic.add)
     elements, dtype = program.scratch_elements, target.dtype
     if elements * dtype.itemsize <= KEPT_SCRATCH_BYTES:
         call.kept = (play, space.empty(elements, dtype) if elements else None, sizes)

@@ -346,8 +346,8 @@ def run(
             scratch = space.empty(program.scratch_elements, work.dtype)
         elif scratch is not None and scratch.size != program.scratch_elements:
             scratch = scratch[: program.scratch_elements]  # player's length
-        play = player(program, transport, reduce, space, what, count,
-                      (source.size, work.size, work.itemsize))
+        play = player(program, (source.size, work.size, work.itemsize), transport, reduce,
+                      space, what, count)
         play(source, work, scratch, tag)
         return
     _seed(program.seeds, source, work, space)
@@ -380,9 +380,10 @@ def _timed_out(what: str, transport: Transport, index: int, steps: int,
         f"{steps} for rank(s) {', '.join(map(str, late.peers))}")
 
 
-def player(program: Program, transport: Transport, reduce: Reducer, space: Any = HOST,
-           what: str = "collective", count: Callable[[int, int], None] | None = None,
-           sizes: tuple[int, int, int] = (0, 0, 0)) -> Callable[[Any, Any, Any, int], None]:
+def player(program: Program, sizes: tuple[int, int, int], transport: Transport,
+           reduce: Reducer, space: Any = HOST, what: str = "collective",
+           count: Callable[[int, int], None] | None = None
+           ) -> Callable[[Any, Any, Any, int], None]:
     """``run`` over a transport that does not deliver, made once for arrays of ``sizes``
     (INPUT's and WORK's elements, the itemsize), so that a repeated call pays only for its
     messages and reductions: ``play(source, work, scratch, tag)``, ``scratch`` exactly
