@@ -2,7 +2,8 @@
 
 Data always travels as raw bytes (never pickled): pycoll reduces on its own, so MPI needs no
 datatype for float16, bfloat16 or complex, and one code path serves them all. mpi4py is
-imported here only, so that a program that never runs under MPI never loads it.
+imported lazily (here, and where the shared-memory window and ``--against mpi`` need it), so
+that a program that never runs under MPI never loads it.
 """
 
 from __future__ import annotations

@@ -3,14 +3,16 @@
 The seed's contract is that all members of a collective agree on the group, the root, the
 reduction, the data type and the layout, and call collectives in the same order. A rank that
 breaks it gets, from most libraries, a wrong result or a hang that names nobody. With the
-check on (``PYCOLL_CHECK=1``, or ``comm.check = True``), each collective first exchanges a
-short signature (collective, algorithm, op, dtype, count, counts, root, sequence number, and
-whether the result is verified: PYCOLL_VERIFY) with a direct AllGather, and every rank
-raises the same :class:`CollectiveMismatch`, naming the fields that differ and which ranks
-hold which value. A rank that skipped a collective shows up as a difference in the sequence
-number (or the collective), not as a hang.
+check on (``PYCOLL_CHECK=1``, or ``comm.check = True``), each collective first exchanges two
+checksums of a short signature (collective, algorithm, op, dtype, memory, count, counts, root,
+sequence number, row, and whether the result is verified: PYCOLL_VERIFY): through the
+shared-memory one-shot's slots where every rank shares a node, else with a small direct
+AllGather. Only where they differ are the readable signatures exchanged, and every rank raises
+the same :class:`CollectiveMismatch`, naming the fields that differ and which ranks hold which
+value. A rank that skipped a collective shows up as a difference in the sequence number (or the
+collective), not as a hang.
 
-The cost is one small AllGather per collective (measured in docs/reliability.md).
+The cost is one small exchange per collective (measured in docs/reliability.md).
 """
 
 from __future__ import annotations

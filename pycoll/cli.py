@@ -1,4 +1,4 @@
-"""The `pycoll` command: demo, explain, bench, tune."""
+"""The `pycoll` command: demo, explain, bench, tune, compare, model."""
 
 from __future__ import annotations
 

@@ -3,8 +3,11 @@
 The executor is algorithm-blind: it sees element ranges, peers and "copy or reduce", never
 which family emitted them. :func:`compile_program` resolves a rank's chunks to element ranges
 once per (schedule, sizes), so a repeated call does no chunk arithmetic; :func:`run` then, for
-each step, posts the receives (into WORK for a copy, into scratch for a reduction), posts the
-sends, waits for all, and reduces in the listed order.
+each step over a transport that does not deliver (MPI messages, in-process threads), posts the
+receives (into WORK for a copy, into scratch for a reduction), posts the sends, waits for all,
+and reduces in the listed order (:func:`player`, which a repeated host call keeps). A transport
+that delivers (shared memory, the device transports) copies or reduces each message into place
+as it lands, and where some rank forwards, every rank posts its receives a step ahead.
 """
 
 from __future__ import annotations
