@@ -107,26 +107,35 @@ def test_floats_combined_in_any_order_pass(dtype, op, algorithm):
     assert pycoll.run_local(nranks, body) == [True] * nranks
 
 
+def after_each_run(monkeypatch, then) -> None:
+    """``then(comm, call, x, work)`` after each run of a prepared call (api._execute: the
+    schedule's executor, whichever player runs it), before the result is read."""
+    real_execute = api._execute
+
+    def execute(comm, call, x, work, *args, **kwargs):
+        real_execute(comm, call, x, work, *args, **kwargs)
+        then(comm, call, x, work)
+
+    monkeypatch.setattr(api, "_execute", execute)
+
+
 def corrupt_after_run(monkeypatch, bad_rank: int, first: int | None = None, times: int = 1,
                       dtype=None):
     """The executor's next ``times`` runs on ``bad_rank`` (of ``dtype`` arrays, if given)
     leave WORK wrong in its lowest bit (one ulp of a float, one of an integer), in every
     element or in element ``first``; later runs are left alone."""
-    real_run = api.run
     left = {"runs": times}
 
-    def run(program, source, target, transport, *args, **kwargs):
-        real_run(program, source, target, transport, *args, **kwargs)
-        # the transport's rank: an async call runs on a worker thread, where pycoll.world()
-        # is not the rank's communicator
-        if (transport.rank == bad_rank and left["runs"] > 0
-                and dtype in (None, target.dtype)):
+    def corrupt(comm, call, x, work):
+        # the communicator's rank: an async call runs on a worker thread, where
+        # pycoll.world() is not the rank's communicator
+        if comm.rank == bad_rank and left["runs"] > 0 and dtype in (None, work.dtype):
             left["runs"] -= 1
-            flat = target.reshape(-1)
+            flat = work.reshape(-1)
             lowest_bytes = flat.view(np.uint8).reshape(flat.size, flat.itemsize)[:, 0]
             lowest_bytes[slice(None) if first is None else slice(first, first + 1)] ^= 1
 
-    monkeypatch.setattr(api, "run", run)
+    after_each_run(monkeypatch, corrupt)
 
 
 def errors_on_every_rank(nranks: int, fn) -> list[str]:
@@ -184,15 +193,14 @@ def test_floats_wrong_by_more_than_rounding_allows_are_caught(monkeypatch):
 
 
 def test_a_sum_far_off_is_caught_with_what_rounding_allows(monkeypatch):
-    real_run = api.run
+    done = []
 
-    def run(program, source, target, *args, **kwargs):
-        real_run(program, source, target, *args, **kwargs)
-        if pycoll.world().rank == 0 and not getattr(run, "done", False):
-            run.done = True
-            target.reshape(-1)[1] += 0.25
+    def off(comm, call, x, work):
+        if comm.rank == 0 and not done:
+            done.append(True)
+            work.reshape(-1)[1] += 0.25
 
-    monkeypatch.setattr(api, "run", run)
+    after_each_run(monkeypatch, off)
     said = errors_on_every_rank(2, lambda rank: pycoll.allreduce(
         np.array([1.0, 2.0, 3.0], np.float64), algorithm="tree"))
     assert "here (rank 0): index 1: got 4.25, expected 4.0 (rounding allows 1.78e-15)" in (
@@ -288,16 +296,16 @@ def test_a_blocking_call_after_async_ones_is_verified_too(monkeypatch):
     real_check = verify._check
     monkeypatch.setattr(verify, "_check", lambda name, comm, *rest: (
         checked.append((comm.rank, name)), real_check(name, comm, *rest)))
-    real_run = api.run
+    real_execute = api._execute
     slow = set()
 
-    def run(*args, **kwargs):
-        if pycoll.world().rank not in slow:  # the async call's run: the worker is busy
-            slow.add(pycoll.world().rank)
+    def execute(comm, *args, **kwargs):
+        if comm.rank not in slow:  # the async call's run: the worker is busy
+            slow.add(comm.rank)
             time.sleep(0.2)
-        real_run(*args, **kwargs)
+        real_execute(comm, *args, **kwargs)
 
-    monkeypatch.setattr(api, "run", run)
+    monkeypatch.setattr(api, "_execute", execute)
 
     def body():
         queued = pycoll.allreduce(np.arange(4), algorithm="ring", async_op=True)
@@ -312,15 +320,11 @@ def test_a_blocking_call_after_async_ones_is_verified_too(monkeypatch):
 
 def test_the_inputs_reach_the_check_outside_the_schedules(monkeypatch):
     """A bug in the direct AllGather's schedule cannot copy itself into the check's inputs."""
-    real_run = api.run
+    def off_by_one(comm, call, x, work):
+        if call.what == "allgather (direct)" and work.size:
+            work.reshape(-1)[0] += 1
 
-    def off_by_one(program, source, target, transport, tag, reduce, space, scratch, label,
-                   *rest):
-        real_run(program, source, target, transport, tag, reduce, space, scratch, label, *rest)
-        if label == "allgather (direct)" and target.size:
-            target.reshape(-1)[0] += 1
-
-    monkeypatch.setattr(api, "run", off_by_one)
+    after_each_run(monkeypatch, off_by_one)
     said = errors_on_every_rank(3, lambda rank: pycoll.allgather(
         np.full(2, rank, np.float32), algorithm="direct"))
     assert all("rank 0: 1 of 6 elements differ, the first at index 0" in t for t in said), said
@@ -328,16 +332,14 @@ def test_the_inputs_reach_the_check_outside_the_schedules(monkeypatch):
 
 def set_result_after_run(monkeypatch, rank: int, value) -> None:
     """Rank ``rank``'s next run leaves element 0 of its WORK equal to ``value``."""
-    real_run = api.run
     left = {"runs": 1}
 
-    def run(program, source, target, *args, **kwargs):
-        real_run(program, source, target, *args, **kwargs)
-        if pycoll.world().rank == rank and left["runs"]:
+    def set_first(comm, call, x, work):
+        if comm.rank == rank and left["runs"]:
             left["runs"] = 0
-            target.reshape(-1)[0] = value
+            work.reshape(-1)[0] = value
 
-    monkeypatch.setattr(api, "run", run)
+    after_each_run(monkeypatch, set_first)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # overflow, inf * 0: the inputs
@@ -418,21 +420,20 @@ def test_turning_verification_off_waits_for_the_async_calls_before(monkeypatch):
 
 
 def test_a_call_that_writes_its_input_is_caught(monkeypatch):
-    real_run = api.run
+    real_execute = api._execute
 
-    def run(program, source, target, *args, **kwargs):
-        real_run(program, source, target, *args, **kwargs)
-        if pycoll.world().rank == 2 and source is not target:
-            source.reshape(-1)[4] = -1
+    def write_input(comm, call, x, work):
+        if comm.rank == 2 and x is not work:
+            x.reshape(-1)[4] = -1
 
-    monkeypatch.setattr(api, "run", run)
+    after_each_run(monkeypatch, write_input)
     said = errors_on_every_rank(3, lambda rank: pycoll.allreduce(
         np.arange(6, dtype=np.int64), algorithm="ring"))
     assert all("rank 2 changed 1 elements of its input x, the first at index 4" in t
                for t in said), said
     assert "here (rank 2): the call changed its input x (not given in place): index 4 was 4, " \
            "is -1" in said[2]
-    monkeypatch.setattr(api, "run", real_run)
+    monkeypatch.setattr(api, "_execute", real_execute)
 
     def in_place(rank):  # writing x is the point here
         x = np.arange(6, dtype=np.int64)
