@@ -61,21 +61,19 @@ def calls(comm: Communicator) -> dict:
 def layers(comm: Communicator) -> dict:
     """The 8-byte AllReduce (out given) entered at each layer, outermost first: what each
     layer adds is its time less the next one's (these are pycoll's private functions)."""
-    from pycoll import api, execute, select
+    from pycoll import api, select
 
     x = np.ones(2, np.float32)
     out = np.empty_like(x)
     pycoll.allreduce(x, out=out, comm=comm)  # remembered from here on
     key = (api._KNOWN, "allreduce", x.dtype, x.shape, "sum", "auto", select.FORCED_SEGMENTS)
     _, call = comm.prepared[key]
-    transport, program = comm.host_transport(), call.program
+    transport = comm.host_transport()
     play, scratch, _ = call.kept  # what its first call bound (api._player)
-    into, count = scratch[: x.size], comm.traffic.add
+    into = scratch[: x.size]
     return {
         "public call": lambda: pycoll.allreduce(x, out=out, comm=comm),
         "api._execute": lambda: api._execute(comm, call, x, out),
-        "execute.run": lambda: execute.run(program, x, out, transport, 1, call.reduce,
-                                           call.space, scratch, call.what, count),
         "kept player": lambda: play(x, out, scratch, 1),
         "sendrecv + reduce": lambda: (transport.sendrecv(x, 1, into, 1, 1),
                                       call.reduce(out, into, x)),
