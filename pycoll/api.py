@@ -48,6 +48,10 @@ def allreduce(
     """Combine ``x`` over all ranks with ``op``; every rank gets the whole result."""
     if async_op:
         _async_flag(async_op, "allreduce")
+        _before_submit(comm, x, Collective.ALLREDUCE, algorithm)
+        _op(op, x, "allreduce")
+        if out is not None:
+            _out(out, x, x.shape, "allreduce", may_alias=True)
         return _submit(allreduce, "allreduce", x, op, out=out, comm=comm, algorithm=algorithm,
                        stream=stream)
     comm = _comm(comm)
@@ -222,7 +226,14 @@ def reduce_scatter(
     """Combine ``x`` over all ranks; rank r gets rows ``sum(counts[:r])`` up to the next."""
     if async_op:
         _async_flag(async_op, "reduce_scatter")
-        return _submit(reduce_scatter, "reduce_scatter", x, op, counts=counts, out=out, comm=comm,
+        checked = _before_submit(comm, x, Collective.REDUCE_SCATTER, algorithm)
+        _op(op, x, "reduce_scatter")
+        listed = _counts(counts, _rows(x, "reduce_scatter"), checked.size, "reduce_scatter",
+                         "len(x)")
+        if out is not None:
+            _out(out, x, (listed[checked.rank], *x.shape[1:]), "reduce_scatter")
+        return _submit(reduce_scatter, "reduce_scatter", x, op,
+                       counts=None if counts is None else listed, out=out, comm=comm,
                        algorithm=algorithm, stream=stream)
     comm = _comm(comm)
     known = None
@@ -293,7 +304,14 @@ def allgather(
     """
     if async_op:
         _async_flag(async_op, "allgather")
-        return _submit(allgather, "allgather", x, counts=counts, out=out, comm=comm,
+        checked = _before_submit(comm, x, Collective.ALLGATHER, algorithm)
+        rows = _rows(x, "allgather")
+        listed = (None if counts is None
+                  else _gathered_counts(counts, rows, checked.size, checked.rank))
+        if out is not None:
+            _out(out, x, (rows * checked.size if listed is None else sum(listed), *x.shape[1:]),
+                 "allgather")
+        return _submit(allgather, "allgather", x, counts=listed, out=out, comm=comm,
                        algorithm=algorithm, stream=stream)
     comm = _comm(comm)
     known = None
@@ -310,12 +328,7 @@ def allgather(
     if counts is None:
         counts = [rows] * comm.size
     else:
-        counts = _counts(counts, None, comm.size, "allgather", "")
-        if counts[comm.rank] != rows:
-            raise ValueError(
-                f"allgather: counts[{comm.rank}]={counts[comm.rank]} but this rank's x has "
-                f"{rows} rows; counts[r] must be the length of rank r's x"
-            )
+        counts = _gathered_counts(counts, rows, comm.size, comm.rank)
     shape = (sum(counts), *x.shape[1:])
     with space.using(stream):
         out = _out(out, x, shape, "allgather")
@@ -324,6 +337,17 @@ def allgather(
         how = _allgather(comm, x, out, blocks, algorithm, stream)
     _remember(comm, known, (shape, blocks, how))
     return out
+
+
+def _gathered_counts(counts: Any, rows: int, nranks: int, rank: int) -> list[int]:
+    """AllGather's ``counts``, checked: ``nranks`` row counts, this rank's its x's."""
+    counts = _counts(counts, None, nranks, "allgather", "")
+    if counts[rank] != rows:
+        raise ValueError(
+            f"allgather: counts[{rank}]={counts[rank]} but this rank's x has "
+            f"{rows} rows; counts[r] must be the length of rank r's x"
+        )
+    return counts
 
 
 def _allgather(comm: Communicator, x: Array, out: Array, blocks: tuple[int, ...],
@@ -355,6 +379,8 @@ def broadcast(
     """Copy root's ``x`` into every rank's ``x`` (in place); returns ``x``."""
     if async_op:
         _async_flag(async_op, "broadcast")
+        _writable(x, "x", "broadcast")
+        _root(root, _before_submit(comm, x, Collective.BROADCAST, algorithm), "broadcast")
         return _submit(broadcast, "broadcast", x, root, comm=comm, algorithm=algorithm,
                        stream=stream)
     comm = _comm(comm)
@@ -405,6 +431,10 @@ def reduce(
     """Combine ``x`` over all ranks at ``root``; returns the result there, None elsewhere."""
     if async_op:
         _async_flag(async_op, "reduce")
+        checked = _before_submit(comm, x, Collective.REDUCE, algorithm)
+        _op(op, x, "reduce")
+        if _root(root, checked, "reduce") == checked.rank and out is not None:
+            _out(out, x, x.shape, "reduce", may_alias=True)
         return _submit(reduce, "reduce", x, op, root, out=out, comm=comm, algorithm=algorithm,
                        stream=stream)
     comm = _comm(comm)
@@ -467,6 +497,10 @@ def alltoall(
     """Rank r sends its j-th equal piece of ``x`` to rank j; pieces arrive in source order."""
     if async_op:
         _async_flag(async_op, "alltoall")
+        checked = _before_submit(comm, x, Collective.ALLTOALL, "auto")
+        _counts(None, _rows(x, "alltoall"), checked.size, "alltoall", "len(x)")
+        if out is not None:
+            _out(out, x, x.shape, "alltoall", may_alias=True)
         return _submit(alltoall, "alltoall", x, out=out, comm=comm, stream=stream)
     comm = _comm(comm)
     known = None
@@ -507,11 +541,24 @@ def alltoallv(
     """
     if async_op:
         _async_flag(async_op, "alltoallv")
+        send_counts, recv_counts = _alltoallv_counts(
+            _before_submit(comm, x, Collective.ALLTOALL, "auto"), x, send_counts, recv_counts)
         return _submit(alltoallv, "alltoallv", x, send_counts, recv_counts, comm=comm,
                        stream=stream)
     comm = _comm(comm)
     space = _space(x, "alltoallv")
     select.forced_algorithm(Collective.ALLTOALL)
+    send_counts, recv_counts = _alltoallv_counts(comm, x, send_counts, recv_counts)
+    arrived = _exchange_counts(comm, send_counts, recv_counts)
+    with space.using(stream):
+        out = space.empty((sum(arrived), *x.shape[1:]), x.dtype)
+        _alltoallv(x, send_counts, arrived, out, comm)
+    return out
+
+
+def _alltoallv_counts(comm: Communicator, x: Array, send_counts: Any,
+                      recv_counts: Any) -> tuple[list[int], list[int] | None]:
+    """AllToAllv's counts, checked against ``x`` and the rank count."""
     rows = _rows(x, "alltoallv")
     if send_counts is None:  # _counts would split evenly: that is alltoall
         raise ValueError(f"alltoallv: send_counts=None is invalid; allowed: {comm.size} "
@@ -519,11 +566,7 @@ def alltoallv(
     send_counts = _counts(send_counts, rows, comm.size, "alltoallv", "len(x)", "send_counts")
     if recv_counts is not None:
         recv_counts = _counts(recv_counts, None, comm.size, "alltoallv", "", "recv_counts")
-    arrived = _exchange_counts(comm, send_counts, recv_counts)
-    with space.using(stream):
-        out = space.empty((sum(arrived), *x.shape[1:]), x.dtype)
-        _alltoallv(x, send_counts, arrived, out, comm)
-    return out
+    return send_counts, recv_counts
 
 
 def _agree_on_pieces(comm: Communicator, x: Array) -> None:
@@ -580,7 +623,7 @@ def send(
     if async_op:
         _async_flag(async_op, "send")
         return _posted(comm, "send", x, dst, tag, stream) or _submit(
-            send, "send", x, dst, tag, comm=comm, stream=stream, lane=("send", _number(dst)))
+            send, "send", x, dst, tag, comm=comm, stream=stream, lane=("send", int(dst)))
     comm, space, dst, tag = _point_to_point_arguments(comm, "send", x, dst, tag)
     if space.is_device:
         comm.drain(("send", dst))  # a pair's device Send/Recv run in call order
@@ -596,7 +639,7 @@ def recv(
     if async_op:
         _async_flag(async_op, "recv")
         return _posted(comm, "recv", out, src, tag, stream) or _submit(
-            recv, "recv", out, src, tag, comm=comm, stream=stream, lane=("recv", _number(src)))
+            recv, "recv", out, src, tag, comm=comm, stream=stream, lane=("recv", int(src)))
     comm, space, src, tag = _point_to_point_arguments(comm, "recv", out, src, tag)
     if space.is_device:
         comm.drain(("recv", src))
@@ -610,12 +653,9 @@ def _posted(comm: Communicator | None, direction: str, buf: Any, peer: Any, tag:
     """Async Send/Recv of a host array, posted now as MPI's Isend/Irecv are: the transport
     matches it by tag, no thread waits for it, and a deadline runs from ``wait()``. None
     where that does not apply (device arrays, which run on a worker per direction and peer,
-    in call order; bad arguments, whose error that worker raises at ``wait()``)."""
-    if stream is not None or space_of(buf) is not HOST:
-        return None
-    try:
-        comm, _, peer, tag = _point_to_point_arguments(comm, direction, buf, peer, tag)
-    except (TypeError, ValueError, RuntimeError):
+    in call order). Bad arguments raise here, as they would blocking."""
+    comm, space, peer, tag = _point_to_point_arguments(comm, direction, buf, peer, tag)
+    if stream is not None or space is not HOST:
         return None
     sending = direction == "send"
     return _post(comm, sending, buf.reshape(-1), peer, tag, None if sending else buf)
@@ -651,12 +691,6 @@ def _post(comm: Communicator, sending: bool, flat: np.ndarray, peer: int, tag: i
     comm.keep_until_done(request)
     return Posted(transport, request, what, result,
                   timed_out=lambda late: comm.timed_out(what, late))
-
-
-def _number(value: Any) -> int:
-    """An int of a rank given as an int or numpy integer; -1 for anything else (whose error
-    comes from the call that checks it)."""
-    return int(value) if is_int(value) else -1
 
 
 def plan(
@@ -740,9 +774,33 @@ def _async_flag(async_op: Any, what: str) -> None:
         raise ValueError(f"{what}: async_op={async_op!r} is invalid; allowed: True or False")
 
 
+def _before_submit(comm: Communicator | None, x: Array, collective: Collective,
+                   algorithm: Any) -> Communicator:
+    """The checks every async collective makes at the call (each adds its own), so that bad
+    input raises there as it would blocking (and as torch.distributed's does), not on the
+    worker, where a rank's failed call would leave it a collective behind its peers. Returns
+    the communicator, not drained."""
+    comm = _comm(comm, drain=False)
+    _space(x, collective.value)
+    _algorithm(algorithm, collective)
+    return comm
+
+
+def _algorithm(algorithm: Any, collective: Collective) -> None:
+    """Raise unless ``algorithm`` is 'auto' (and ``PYCOLL_ALGO`` reads) or names a family
+    with a schedule for ``collective``."""
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm={algorithm!r} is not a name; allowed: 'auto' or a family name")
+    if algorithm == "auto":
+        select.forced_algorithm(collective)
+    else:
+        algorithms.check_family(algorithm, collective)
+
+
 def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs: Any) -> Any:
     """``fn`` run on ``comm``'s async worker (pycoll/work.py): returns a Work whose ``wait()``
-    gives ``fn``'s result, or raises its error (bad input included)."""
+    gives ``fn``'s result, or raises its error (its arguments were checked at the call:
+    ``_before_submit``)."""
     comm = _comm(comm, drain=False)
     space = space_of(args[0]) if args else None
     if space is not None and space.is_device:
@@ -1097,8 +1155,7 @@ def _prepare(comm: Communicator, key: tuple) -> PreparedCall:
     collective, algorithm, dtype, size, op, root, peer, input_blocks, blocks, nbytes, space = key[
         :11
     ]
-    if not isinstance(algorithm, str):
-        raise TypeError(f"algorithm={algorithm!r} is not a name; allowed: 'auto' or a family name")
+    _algorithm(algorithm, collective)
     nbytes = size * dtype.itemsize if nbytes is None else nbytes
     if collective is Collective.SENDRECV:  # one schedule; nothing to choose
         plan = select.Plan(collective, nbytes, comm.size, "direct", 1, 0.0, "point to point")

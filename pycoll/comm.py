@@ -128,6 +128,12 @@ class Communicator:
             _default.comm = rank_default
             try:
                 return fn(*args, **kwargs)
+            except Exception as error:
+                if self.broken is None and not _in_step_after(error):
+                    # this rank left a collective its peers may still be in: a later call
+                    # would pair with theirs (its arguments were checked at the call)
+                    self.broken = f"its async {what} failed: {type(error).__name__}: {error}"
+                raise
             finally:
                 _default.comm = None
 
@@ -138,6 +144,8 @@ class Communicator:
         queue = self.queue if lane is None else self.lanes.get(lane)
         if queue is not None and queue.busy:
             queue.drain()
+            if self.broken is not None:  # by one of those: this call must not run either
+                self.ensure_usable()
 
     @property
     def verify(self) -> bool:
@@ -607,6 +615,12 @@ class Communicator:
     def __repr__(self) -> str:
         kind = "MPI" if self.mpi_comm is not None else "in-process"
         return f"Communicator(rank={self.rank}, size={self.size}, {kind})"
+
+
+def _in_step_after(error: Exception) -> bool:
+    """Whether every rank raises ``error`` together, leaving the communicator in step: the
+    agreement check's mismatch and the oracle's verdict are agreed before they are raised."""
+    return isinstance(error, agree.CollectiveMismatch | verification.VerificationError)
 
 
 def is_int(value: Any) -> bool:

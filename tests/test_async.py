@@ -1,5 +1,6 @@
 """async_op=True: every collective returns a Work; collectives on two communicators overlap
-and both results are right; one communicator keeps its order; errors come from wait()."""
+and both results are right; one communicator keeps its order; bad input raises at the call,
+other errors come from wait() and break the communicator."""
 
 from __future__ import annotations
 
@@ -82,15 +83,112 @@ def test_every_collective_takes_async_op(monkeypatch, transport):
         np.testing.assert_array_equal(blocking, oracle.allreduce(inputs, "sum"))
 
 
-def test_bad_input_is_raised_by_wait():
+def _read_only(x):
+    x.flags.writeable = False
+    return x
+
+
+BAD_ASYNC_CALLS = {  # beside test_errors.BAD_CALLS, which runs async too (there)
+    "gathered counts": (lambda r: pycoll.allgather(np.ones(3), counts=[2, 2], async_op=True),
+                        r"counts\[\d\]=2 but this rank's x has 3 rows"),
+    "read-only": (lambda r: pycoll.broadcast(_read_only(np.ones(3)), async_op=True),
+                  "broadcast: x is read-only"),
+    "reduce out": (lambda r: pycoll.reduce(np.ones(3), root=r, out=np.ones(3, np.int8),
+                                           async_op=True), "out.dtype=int8"),
+    "send counts": (lambda r: pycoll.alltoallv(np.ones(3), [1, 1], async_op=True),
+                    "send_counts=\\[1, 1\\] sums to 2"),
+    "tag": (lambda r: pycoll.recv(np.ones(3), 1 - r, tag=-1, async_op=True),
+            "tag=-1 is invalid"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ASYNC_CALLS)
+def test_bad_input_raises_at_the_async_call(case):
+    """As blocking, and as torch.distributed's: raised on the worker, the error was seen only
+    at wait(), and a rank that never waited (or waited later) went on a collective behind its
+    peers."""
+    call, error = BAD_ASYNC_CALLS[case]
+
     def body(rank):
-        work = pycoll.allreduce(np.ones(3), "mean", async_op=True)
-        with pytest.raises(ValueError, match="op='mean' is not a reduction"):
-            work.wait()
+        with pytest.raises((ValueError, TypeError), match=error):
+            call(rank)
         return pycoll.allreduce(np.ones(3))  # still in step: nothing was sent
 
     for result in run(2, body):
         np.testing.assert_array_equal(result, np.full(3, 2.0))
+
+
+def test_one_ranks_bad_async_call_is_not_paired_with_its_next_call():
+    """Rank 0's bad op was found on its worker; its next (blocking) AllReduce then paired
+    with rank 1's async one: a wrong result on rank 0, Deadlock on rank 1 (a hang under MPI)."""
+    def body(rank):
+        x = np.arange(4.0)
+        pycoll.allreduce(x, "mean" if rank == 0 else "sum", async_op=True)
+        return pycoll.allreduce(x * 10)
+
+    with pytest.raises(ValueError, match="op='mean' is not a reduction"):
+        run(2, body)
+
+
+def test_an_async_collective_that_fails_on_its_worker_breaks_the_communicator(monkeypatch):
+    """Past the checks at the call, a failure leaves this rank out of a collective its peers
+    may be in: every later call on the communicator raises, naming it."""
+    real = pycoll.api._execute
+
+    def failing_on_rank_0(comm, *args, **kwargs):
+        if comm.rank == 0:
+            raise OSError("the wire came loose")
+        return real(comm, *args, **kwargs)
+
+    monkeypatch.setattr(pycoll.api, "_execute", failing_on_rank_0)
+    seen = {}
+
+    def body(rank):
+        work = pycoll.allreduce(np.ones(4), algorithm="ring", async_op=True)
+        if rank == 1:
+            return work.wait()
+        with pytest.raises(OSError, match="the wire came loose"):
+            work.wait()
+        for later in (lambda: pycoll.allreduce(np.ones(4)),
+                      lambda: pycoll.allreduce(np.ones(4), async_op=True)):
+            with pytest.raises(RuntimeError, match="broken \\(its async allreduce failed: "
+                                                   "OSError: the wire came loose\\)"):
+                later()
+        seen["rank 0"] = "raised"
+        raise ValueError("rank 0 stops")
+
+    with pytest.raises(ValueError, match="rank 0 stops"):
+        run(2, body)
+    assert seen == {"rank 0": "raised"}
+
+
+def test_a_blocking_call_after_a_failed_async_one_raises_without_waiting_on_it(monkeypatch):
+    """Never waited: the failure is found when the next call drains the queue."""
+    real = pycoll.api._execute
+    monkeypatch.setattr(pycoll.api, "_execute", lambda comm, *a, **k: (
+        (_ for _ in ()).throw(OSError("lost")) if comm.rank == 0 else real(comm, *a, **k)))
+
+    def body(rank):
+        pycoll.allgather(np.ones(2), algorithm="ring", async_op=True)
+        if rank == 0:
+            pycoll.allgather(np.ones(2))
+        return "unreached"
+
+    with pytest.raises(RuntimeError, match="its async allgather failed: OSError: lost"):
+        run(2, body)
+
+
+def test_async_counts_may_be_an_iterator():
+    """Read once, at the call: the worker got the used-up iterator."""
+    def body(rank):
+        gathered = pycoll.allgather(np.ones(rank + 1), counts=iter([1, 2]), async_op=True)
+        scattered = pycoll.reduce_scatter(np.arange(3.0), counts=iter([2, 1]), async_op=True)
+        sent = pycoll.alltoallv(np.arange(3.0), iter([1, 2]), iter([1 + rank, 1 + rank]),
+                                async_op=True)
+        return gathered.wait().tolist(), scattered.wait().tolist(), sent.wait().tolist()
+
+    assert run(2, body) == [([1.0, 1.0, 1.0], [0.0, 2.0], [0.0, 0.0]),
+                            ([1.0, 1.0, 1.0], [4.0], [1.0, 2.0, 1.0, 2.0])]
 
 
 def test_a_deadlock_through_async_work_is_reported_at_once(monkeypatch):

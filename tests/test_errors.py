@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from pathlib import Path
@@ -139,6 +140,23 @@ def _read_only():
 def test_bad_input_raises_on_every_rank(name, call, kind, message):
     errors = every_rank(4, call)
     for rank, error in enumerate(errors):
+        assert isinstance(error, kind), f"rank {rank}: {error!r}"
+        assert re.search(message, str(error)), f"rank {rank}: {error}"
+
+
+ASYNC_CALLS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall",
+               "alltoallv", "send", "recv")
+
+
+@pytest.mark.parametrize("name,call,kind,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_raises_at_an_async_call_as_at_a_blocking_one(monkeypatch, name, call, kind,
+                                                               message):
+    """Not at wait(): a rank whose Work is waited late, or never, would go on a collective
+    behind its peers."""
+    for collective in ASYNC_CALLS:
+        blocking = getattr(pycoll, collective)
+        monkeypatch.setattr(pycoll, collective, functools.partial(blocking, async_op=True))
+    for rank, error in enumerate(every_rank(4, call)):
         assert isinstance(error, kind), f"rank {rank}: {error!r}"
         assert re.search(message, str(error)), f"rank {rank}: {error}"
 

@@ -65,20 +65,25 @@ def build(
     return _build(family, collective, nranks, nsegments, root, peer, ranks_per_node)
 
 
-@lru_cache(maxsize=1024)
-def _build(family: str, collective: Collective, nranks: int, nsegments: int,
-           root: int | None, peer: int | None, ranks_per_node: int) -> Schedule:
+def check_family(family: str, collective: Collective) -> None:
+    """Raise unless ``family`` names a family with a schedule for ``collective``."""
     if family not in FAMILIES:
         raise ValueError(
             f"algorithm={family!r} is not an algorithm family; allowed: "
             + ", ".join(repr(name) for name in FAMILIES)
         )
-    emit = FAMILIES[family].SCHEDULES.get(collective)
-    if emit is None:
+    if collective not in FAMILIES[family].SCHEDULES:
         raise ValueError(
             f"algorithm={family!r} has no {collective.value} schedule; allowed for "
             f"{collective.value}: " + ", ".join(repr(n) for n in families_for(collective))
         )
+
+
+@lru_cache(maxsize=1024)
+def _build(family: str, collective: Collective, nranks: int, nsegments: int,
+           root: int | None, peer: int | None, ranks_per_node: int) -> Schedule:
+    check_family(family, collective)
+    emit = FAMILIES[family].SCHEDULES[collective]
     nodes = {"ranks_per_node": ranks_per_node} if node_aware(family) else {}
     if collective in ROOTED:
         return emit(nranks, root, nsegments, **nodes)
