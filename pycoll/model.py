@@ -127,7 +127,8 @@ class Topology:
     def _from_json(cls, data: dict, source: str) -> Topology:
         if not isinstance(data, dict):
             raise ValueError(f"topology {source or '?'}: {data!r} is not a JSON object")
-        known = {f for f in cls.__dataclass_fields__}
+        # the curves' per-cost fields are filled in from ``curves`` (with_curves), not read
+        known = set(cls.__dataclass_fields__) - {"gamma_curve", "delta_curve"}
         unknown = set(data) - known
         if unknown:
             raise ValueError(
@@ -137,7 +138,7 @@ class Topology:
         values = dict(data)
         curves = values.get("curves") or {}
         values["curves"] = tuple(
-            (name, tuple((int(b), float(v)) for b, v in points))
+            (name, _curve(name, points, source or data.get("name", "?")))
             for name, points in sorted(curves.items())
         )
         for name in ("intra", "inter"):
@@ -161,6 +162,22 @@ class Topology:
             raise ValueError(f"topology {source or topology.name}: a cost below 0 in {costs}; "
                              "allowed: costs >= 0")
         return replace(topology, source=source or topology.source)
+
+
+CURVES = ("intra", "inter", "gamma", "delta")  # the costs a curve may replace
+
+
+def _curve(name: str, points: list, source: str) -> tuple[tuple[int, float], ...]:
+    """A curve read from a file: [bytes, cost] pairs, bytes >= 1 (interpolated on a log
+    scale), costs >= 0; in order of bytes."""
+    if name not in CURVES:
+        raise ValueError(f"topology {source}: curves[{name!r}] is unknown; allowed: "
+                         f"{', '.join(CURVES)}")
+    pairs = tuple(sorted((int(b), float(v)) for b, v in points))
+    if not pairs or any(not (b >= 1 and v >= 0 and math.isfinite(v)) for b, v in pairs):
+        raise ValueError(f"topology {source}: curves[{name!r}]={points!r}; allowed: a list "
+                         "of [bytes, cost] pairs, bytes >= 1, costs >= 0")
+    return pairs
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], size: int) -> float:

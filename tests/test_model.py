@@ -180,6 +180,18 @@ def test_topology_files_round_trip_and_reject_unknown_keys(tmp_path):
     assert again == model.Topology(name="x", ranks_per_node=8, ports="multi", source="file")
     with pytest.raises(ValueError, match="unknown keys \\['speed'\\]"):
         model.Topology.from_json({"speed": 1})
+    # the curves' per-cost fields come from "curves" (as a list they made every call raise
+    # TypeError: unhashable type: 'list'); a curve at 0 bytes divided by zero in every plan
+    for bad, says in [({"gamma_curve": [[1, 2.0]]}, "unknown keys \\['gamma_curve'\\]"),
+                      ({"curves": {"gama": [[8, 1.0]]}}, "curves\\['gama'\\] is unknown"),
+                      ({"curves": {"gamma": [[0, 1.0]]}}, "bytes >= 1, costs >= 0"),
+                      ({"curves": {"delta": [[8, -1.0]]}}, "bytes >= 1, costs >= 0"),
+                      ({"curves": {"intra": []}}, "a list of \\[bytes, cost\\] pairs"),
+                      ({"curves": {"inter": 5}}, "allowed: an object of the keys")]:
+        with pytest.raises(ValueError, match=says):
+            model.Topology.from_json(bad, source="file")
+    curved = model.Topology.from_json({"curves": {"gamma": [[64, 2.0], [8, 1.0]]}})
+    assert curved.curves == (("gamma", ((8, 1.0), (64, 2.0))),)
     path = tmp_path / "bad.json"
     path.write_text("{")
     with pytest.raises(ValueError, match="unreadable"):
