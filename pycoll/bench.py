@@ -252,14 +252,28 @@ def element_count(collective: Collective, itemsize: int, size: int, nranks: int)
 def distinct_sizes(options: Options, collective: Collective, dtype: np.dtype, nranks: int
                    ) -> list[int]:
     """The swept sizes, less those whose element count the one before has (1 B and 2 B of
-    float32 are both 0 elements: one row, not two)."""
+    float32 are both 0 elements: one row, not two); an error if none holds an element."""
     kept, last = [], None
     for size in sizes(options.min_bytes, options.max_bytes, options.step_factor):
         count = element_count(collective, dtype.itemsize, size, nranks)
         if count != last:
             kept.append(size)
         last = count
+    _check_some_element(options, collective, dtype, nranks, kept)
     return kept
+
+
+def _check_some_element(options: Options, collective: Collective, dtype: np.dtype,
+                        nranks: int, swept: list[int]) -> None:
+    """Refuse a sweep of sizes that all round down to no element: every row would time an
+    empty call."""
+    if swept and not element_count(collective, dtype.itemsize, swept[-1], nranks):
+        sharded = collective in SHARDED
+        whole = (f"{nranks} {dtype.name} elements (one per rank: {collective.value} splits "
+                 "evenly)" if sharded else f"one {dtype.name} element")
+        need = dtype.itemsize * (nranks if sharded else 1)
+        raise ValueError(f"--max-bytes={options.max_bytes} holds no whole element: the sweep "
+                         f"needs {whole}, {need} B; allowed: --max-bytes {need} or more")
 
 
 class _Case:

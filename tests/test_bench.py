@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -50,6 +51,22 @@ def test_each_element_count_is_swept_once(collective, low, high, counts):
     float32 = bench.np.dtype("float32")
     kept = bench.distinct_sizes(options, collective, float32, 3)
     assert [bench.element_count(collective, float32.itemsize, s, 3) for s in kept] == counts
+
+
+@pytest.mark.parametrize("command,args,says", [
+    ("bench", ["-d", "float64", "-b", "1", "-e", "4"], "needs one float64 element, 8 B; "
+                                                       "allowed: --max-bytes 8 or more"),
+    ("bench", ["reduce_scatter", "--ranks", "3", "-b", "4", "-e", "8"],
+     "needs 3 float32 elements \\(one per rank: reduce_scatter splits evenly\\), 12 B"),
+    ("compare", ["-d", "float64", "-b", "1", "-e", "4", "-n", "1", "-w", "0"],
+     "needs one float64 element"),
+])
+def test_a_sweep_holding_no_whole_element_is_refused(capsys, command, args, says):
+    """bench printed rows of 0 B and exited 0; compare crashed in matplotlib (a log scale of
+    zeros)."""
+    assert main([command, *args]) == 2
+    assert re.search(f"--max-bytes={args[args.index('-e') + 1]} holds no whole element: the "
+                     f"sweep {says}", capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("collective", list(bench.COLLECTIVES))
