@@ -55,6 +55,7 @@ MIN_PIECE = 4096  # less contiguous room than this before the ring's end: wrap i
 SPINS = 200  # polls before a waiting rank starts yielding its core
 RING_BYTES = 8 << 20  # per peer: the stream to that peer
 SMALL_BYTES = 2 << 20  # one-shot AllReduce slot; larger calls take the schedules
+MAX_ENV_BYTES = 1 << 30  # the most either may be set to (each is per rank or per peer)
 SMALL_VIEWS_KEPT = 1024  # (dtype, count) shapes of one-shot calls whose slot views are kept
 _FROM_PROCESS = -2  # a send's ``window`` when the receiver reads the sender's own memory
 _NEVER = float("inf")  # no deadline (float("inf") costs a call, on every small call)
@@ -64,8 +65,11 @@ def _env_bytes(name: str, default: int) -> int:
     text = os.environ.get(name, "")
     if not text:
         return default
-    if not text.isdigit() or int(text) < 4 * MIN_PIECE:
-        raise ValueError(f"{name}={text!r} is invalid; allowed: an int >= {4 * MIN_PIECE} (bytes)")
+    # isdigit() takes '²'; past MAX_ENV_BYTES numpy raised a bare MemoryError, or the node
+    # ran out of shared memory
+    if not (text.isascii() and text.isdigit()) or not 4 * MIN_PIECE <= int(text) <= MAX_ENV_BYTES:
+        raise ValueError(f"{name}={text!r} is invalid; allowed: an int in "
+                         f"{4 * MIN_PIECE}..{MAX_ENV_BYTES} (bytes)")
     return int(text) // LINE * LINE
 
 

@@ -762,6 +762,10 @@ def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,
     if not all(is_int(d) and d >= 0 for d in dims):
         raise ValueError(f"empty: shape={shape!r} is invalid; allowed: an int >= 0 or a "
                          "tuple of them")
+    nbytes = math.prod(int(d) for d in dims) * dtype.itemsize
+    if nbytes > np.iinfo(np.intp).max:  # numpy's "array is too big" named neither
+        raise ValueError(f"empty: shape={shape!r} of {dtype} is {nbytes} bytes; allowed: at "
+                         f"most {np.iinfo(np.intp).max}")
     return comm.shared_empty(tuple(int(d) for d in dims), dtype)
 
 

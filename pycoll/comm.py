@@ -185,7 +185,8 @@ class Communicator:
     def timeout(self) -> float | None:
         """Seconds any wait of a collective may take before it raises CollectiveTimeout
         (naming the collective, algorithm, step and peers) and breaks this communicator;
-        None: no deadline. Default from ``PYCOLL_TIMEOUT``. Set it alike on every rank."""
+        None (or inf, or more than any wait can take): no deadline. Default from
+        ``PYCOLL_TIMEOUT``. Set it alike on every rank."""
         return self._timeout
 
     @timeout.setter
@@ -635,12 +636,13 @@ def _first_seen_order(nodes: list[int]) -> list[int]:
 
 
 def _valid_timeout(value: Any, name: str) -> float | None:
+    """Seconds > 0; None, or more than any wait can take (inf, 10**400), for no deadline."""
     if value is None:
         return None
     if (isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real)
             or not value > 0):  # numpy's numbers too (np.int64(5))
         raise ValueError(f"{name}={value!r} is invalid; allowed: seconds > 0, or None")
-    return float(value)
+    return None if value >= threading.TIMEOUT_MAX else float(value)
 
 
 def _timeout_from_env() -> float | None:
@@ -653,7 +655,7 @@ def _timeout_from_env() -> float | None:
         seconds = -1.0
     if not seconds > 0:
         raise ValueError(f"PYCOLL_TIMEOUT={text!r} is invalid; allowed: seconds > 0")
-    return seconds
+    return _valid_timeout(seconds, "PYCOLL_TIMEOUT")
 
 
 class _Freed:
@@ -693,7 +695,7 @@ def _ranks_per_node(size: int) -> int:
     text = os.environ.get("PYCOLL_RANKS_PER_NODE", "")
     if not text:
         return size
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # isdigit() takes '²'
         raise ValueError(f"PYCOLL_RANKS_PER_NODE={text!r} is invalid; allowed: an int >= 1")
     return int(text)
 

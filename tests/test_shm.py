@@ -276,6 +276,9 @@ def test_empty_validates_and_is_plain_numpy_without_peers():
     assert pycoll.empty((2, 3), np.int8).shape == (2, 3)
     with pytest.raises(ValueError, match=r"empty: shape=\(2, -1\) is invalid"):
         pycoll.empty((2, -1))
+    with pytest.raises(ValueError, match=r"empty: shape=\(1048576, 8796093022208\) of int16 "
+                                         r"is 18446744073709551616 bytes; allowed: at most 9223"):
+        pycoll.empty((1 << 20, 1 << 43), np.int16)  # numpy: "array is too big", naming neither
 
 
 def test_ranks_that_disagree_on_a_size_fail_with_both_sizes(monkeypatch):
@@ -355,6 +358,10 @@ def test_a_rank_that_skips_a_collective_is_reported(monkeypatch):
 @pytest.mark.parametrize("name,value", [("PYCOLL_HOST_TRANSPORT", "fast"),
                                         ("PYCOLL_SHM_RING_BYTES", "1000"),
                                         ("PYCOLL_SHM_ONE_SHOT_BYTES", "x"),
+                                        # a bare MemoryError; isdigit() took '²'
+                                        ("PYCOLL_SHM_RING_BYTES", "99999999999999"),
+                                        ("PYCOLL_SHM_ONE_SHOT_BYTES", "\u00b2"),
+                                        ("PYCOLL_RANKS_PER_NODE", "\u00b2"),
                                         ("PYCOLL_SHM_CMA", "yes")])
 def test_bad_settings_are_named(monkeypatch, name, value):
     monkeypatch.setenv(name, value)

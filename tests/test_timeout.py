@@ -90,6 +90,8 @@ def test_without_a_timeout_nothing_changes(monkeypatch):
     assert pycoll.run_local(2, lambda: pycoll.world().timeout) == [None, None]
     monkeypatch.setenv("PYCOLL_TIMEOUT", "2.5")
     assert pycoll.run_local(2, lambda: pycoll.world().timeout) == [2.5, 2.5]
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "1e400")  # more than any wait can take: none
+    assert pycoll.run_local(2, lambda: pycoll.world().timeout) == [None, None]
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon"])
@@ -106,9 +108,14 @@ def test_a_bad_value_is_named():
         with pytest.raises(ValueError, match="timeout=np.True_ is invalid"):
             pycoll.world().timeout = np.bool_(True)
         pycoll.world().timeout = np.int64(5)  # numpy's numbers are seconds too
-        return pycoll.world().timeout == 5.0
+        five = pycoll.world().timeout == 5.0
+        forever = []
+        for value in (10**400, float("inf")):  # no deadline (10**400: OverflowError)
+            pycoll.world().timeout = value
+            forever.append(pycoll.world().timeout)
+        return five, forever
 
-    assert pycoll.run_local(1, body) == [True]
+    assert pycoll.run_local(1, body) == [(True, [None, None])]
 
 
 def test_an_mpi_wait_past_its_deadline_forgets_only_its_own_requests():
