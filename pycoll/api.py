@@ -46,8 +46,7 @@ def allreduce(
     async_op: bool = False,
 ) -> Array:
     """Combine ``x`` over all ranks with ``op``; every rank gets the whole result."""
-    if async_op:
-        _async_flag(async_op, "allreduce")
+    if async_op is not False and _async(async_op, "allreduce"):
         _before_submit(comm, x, Collective.ALLREDUCE, algorithm)
         _op(op, x, "allreduce")
         if out is not None:
@@ -224,8 +223,7 @@ def reduce_scatter(
     async_op: bool = False,
 ) -> Array:
     """Combine ``x`` over all ranks; rank r gets rows ``sum(counts[:r])`` up to the next."""
-    if async_op:
-        _async_flag(async_op, "reduce_scatter")
+    if async_op is not False and _async(async_op, "reduce_scatter"):
         checked = _before_submit(comm, x, Collective.REDUCE_SCATTER, algorithm)
         _op(op, x, "reduce_scatter")
         listed = _counts(counts, _rows(x, "reduce_scatter"), checked.size, "reduce_scatter",
@@ -302,8 +300,7 @@ def allgather(
     Without ``counts`` every rank's ``x`` has the same shape; with them, rank r's has
     ``counts[r]`` rows.
     """
-    if async_op:
-        _async_flag(async_op, "allgather")
+    if async_op is not False and _async(async_op, "allgather"):
         checked = _before_submit(comm, x, Collective.ALLGATHER, algorithm)
         rows = _rows(x, "allgather")
         listed = (None if counts is None
@@ -377,8 +374,7 @@ def broadcast(
     async_op: bool = False,
 ) -> Array:
     """Copy root's ``x`` into every rank's ``x`` (in place); returns ``x``."""
-    if async_op:
-        _async_flag(async_op, "broadcast")
+    if async_op is not False and _async(async_op, "broadcast"):
         _writable(x, "x", "broadcast")
         _root(root, _before_submit(comm, x, Collective.BROADCAST, algorithm), "broadcast")
         return _submit(broadcast, "broadcast", x, root, comm=comm, algorithm=algorithm,
@@ -429,8 +425,7 @@ def reduce(
     async_op: bool = False,
 ) -> Array | None:
     """Combine ``x`` over all ranks at ``root``; returns the result there, None elsewhere."""
-    if async_op:
-        _async_flag(async_op, "reduce")
+    if async_op is not False and _async(async_op, "reduce"):
         checked = _before_submit(comm, x, Collective.REDUCE, algorithm)
         _op(op, x, "reduce")
         if _root(root, checked, "reduce") == checked.rank and out is not None:
@@ -495,8 +490,7 @@ def alltoall(
     async_op: bool = False,
 ) -> Array:
     """Rank r sends its j-th equal piece of ``x`` to rank j; pieces arrive in source order."""
-    if async_op:
-        _async_flag(async_op, "alltoall")
+    if async_op is not False and _async(async_op, "alltoall"):
         checked = _before_submit(comm, x, Collective.ALLTOALL, "auto")
         _counts(None, _rows(x, "alltoall"), checked.size, "alltoall", "len(x)")
         if out is not None:
@@ -539,8 +533,7 @@ def alltoallv(
     Returns what arrived, in source-rank order. The counts are exchanged first; given
     ``recv_counts`` are checked against what the peers send, on every rank.
     """
-    if async_op:
-        _async_flag(async_op, "alltoallv")
+    if async_op is not False and _async(async_op, "alltoallv"):
         send_counts, recv_counts = _alltoallv_counts(
             _before_submit(comm, x, Collective.ALLTOALL, "auto"), x, send_counts, recv_counts)
         return _submit(alltoallv, "alltoallv", x, send_counts, recv_counts, comm=comm,
@@ -620,8 +613,7 @@ def send(
     """Send ``x`` to rank ``dst``; returns when ``x`` may be reused: ``dst`` has received it
     (in-process always; device arrays: the copy is enqueued on ``dst``'s stream), or MPI has
     buffered it (a short message, as MPI_Send may). Programs must not rely on either."""
-    if async_op:
-        _async_flag(async_op, "send")
+    if async_op is not False and _async(async_op, "send"):
         return _posted(comm, "send", x, dst, tag, stream) or _submit(
             send, "send", x, dst, tag, comm=comm, stream=stream, lane=("send", int(dst)))
     comm, space, dst, tag = _point_to_point_arguments(comm, "send", x, dst, tag)
@@ -636,8 +628,7 @@ def recv(
     async_op: bool = False,
 ) -> Array:
     """Receive into ``out`` what rank ``src`` sends with ``tag``; returns ``out``."""
-    if async_op:
-        _async_flag(async_op, "recv")
+    if async_op is not False and _async(async_op, "recv"):
         return _posted(comm, "recv", out, src, tag, stream) or _submit(
             recv, "recv", out, src, tag, comm=comm, stream=stream, lane=("recv", int(src)))
     comm, space, src, tag = _point_to_point_arguments(comm, "recv", out, src, tag)
@@ -716,6 +707,8 @@ def plan(
     if not is_int(nbytes) or nbytes < 0:
         raise ValueError(f"plan: nbytes={nbytes!r} is invalid; allowed: an int >= 0")
     dtype = check_dtype(dtype)
+    if not isinstance(device, bool | np.bool_):  # "no" planned for CUDA
+        raise ValueError(f"plan: device={device!r} is invalid; allowed: True or False")
     if kind is Collective.ALLTOALL and algorithm == "auto":
         algorithm = "direct"
     from pycoll import spaces
@@ -735,8 +728,7 @@ def plan(
 
 def barrier(comm: Communicator | None = None, *, async_op: bool = False) -> Any:
     """Return only once every rank of ``comm`` has entered the barrier."""
-    if async_op:
-        _async_flag(async_op, "barrier")
+    if async_op is not False and _async(async_op, "barrier"):
         return _submit(barrier, "barrier", comm=comm)
     comm = _comm(comm)
     shared = comm.one_shot_for(Collective.ALLREDUCE)
@@ -772,10 +764,13 @@ def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,
 # --- helpers -------------------------------------------------------------------------------
 
 
-def _async_flag(async_op: Any, what: str) -> None:
-    """A true ``async_op`` must be True (numpy's too): "no" or 1.5 would run asynchronously."""
+def _async(async_op: Any, what: str) -> bool:
+    """Whether to run asynchronously: ``async_op`` must be True or False (numpy's too); "no",
+    1.5, None and [] would have been read as what they look like to ``if``, and an array
+    raised numpy's ambiguity error."""
     if async_op is not True and not isinstance(async_op, np.bool_):
         raise ValueError(f"{what}: async_op={async_op!r} is invalid; allowed: True or False")
+    return bool(async_op)
 
 
 def _before_submit(comm: Communicator | None, x: Array, collective: Collective,

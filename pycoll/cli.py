@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("-w", "--warmup", type=int,
                        help="untimed iterations (default 5; kernels: launches before timing "
                             "each kernel, default 1)")
-    bench.add_argument("-c", "--check", type=int, default=1, help="1: count #wrong; 0: skip")
+    bench.add_argument("-c", "--check", type=int, default=1, choices=(0, 1),
+                       help="1: count #wrong; 0: skip")
     bench.add_argument("-d", "--dtype", default="float32", type=_dtype_name)
     bench.add_argument("-o", "--op", default="sum")
     bench.add_argument("-r", "--root", type=int, default=0)

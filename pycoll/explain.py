@@ -17,6 +17,7 @@ from pycoll.check import check
 from pycoll.schedule import Buffer, Collective, Layout, seeded_chunks
 
 SEED_RANKS = 4
+MAX_RANKS = 64  # every delivery of every round is printed: p^2 lines a round (256 took minutes)
 
 
 def seed_input(nranks: int, rank: int) -> np.ndarray:
@@ -173,8 +174,8 @@ def explain(
 ) -> bool:
     """Print the schedule round by round on the seed's inputs, then each rank's real result."""
     kind = _collective(collective)
-    if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1:
-        raise ValueError(f"--ranks={nranks!r} is invalid; allowed: an int >= 1")
+    if isinstance(nranks, bool) or not isinstance(nranks, int) or not 1 <= nranks <= MAX_RANKS:
+        raise ValueError(f"--ranks={nranks!r} is invalid; allowed: an int in 1..{MAX_RANKS}")
     if algorithm is None:  # the default: ring, or alltoall's one schedule
         algorithm = "direct" if kind is Collective.ALLTOALL else "ring"
     if not 0 <= root < nranks:

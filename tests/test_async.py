@@ -461,10 +461,15 @@ def test_free_ends_the_async_workers():
     lambda flag: pycoll.barrier(async_op=flag),
 ])
 def test_async_op_takes_a_bool_and_names_anything_else(call):
-    """async_op="no" ran asynchronously (any truthy value did)."""
-    with pytest.raises(ValueError, match=r"async_op='no' is invalid; allowed: True or False"):
-        pycoll.run_local(1, lambda: call("no"))
+    """async_op="no" ran asynchronously (any truthy value did); None, 0 and [] ran blocking,
+    and an array raised numpy's ambiguity error."""
+    for flag, shown in [("no", "'no'"), (None, "None"), (0, "0"), ([], r"\[\]"),
+                        (np.ones(2), r"array\(\[1., 1.\]\)")]:
+        with pytest.raises(ValueError, match=f"async_op={shown} is invalid; allowed: True or "
+                                             "False"):
+            pycoll.run_local(1, call, flag)
     assert pycoll.run_local(1, lambda: (call(np.True_).wait(), True)[1]) == [True]
+    assert pycoll.run_local(1, lambda: not hasattr(call(np.False_), "wait")) == [True]
 
 
 def test_point_to_point_async_op_takes_a_bool():

@@ -69,6 +69,14 @@ def test_a_sweep_holding_no_whole_element_is_refused(capsys, command, args, says
                      f"sweep {says}", capsys.readouterr().err)
 
 
+def test_check_takes_0_or_1(capsys):
+    """-c 2 was taken (as nccl-tests' -c, it is on or off)."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", "-c", "2"])
+    assert stopped.value.code == 2
+    assert "-c/--check: invalid choice: 2 (choose from 0, 1)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("collective", list(bench.COLLECTIVES))
 def test_in_process_sweep_checks_every_size(collective, capsys, tmp_path):
     out = tmp_path / "rows.json"

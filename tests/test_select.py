@@ -157,9 +157,10 @@ def test_algorithm_argument_lets_the_model_pick_only_the_segments():
     (("allreducee", 8), "plan: collective='allreducee' is unknown"),
     (("allreduce", -1), "plan: nbytes=-1 is invalid"),
     (("broadcast", 8), "plan: root=9 is not a rank"),
+    (("reduce", 8), "plan: device='no' is invalid; allowed: True or False"),  # planned CUDA
 ])
 def test_plan_rejects_bad_arguments(args, message):
-    kwargs = {"root": 9} if args[0] == "broadcast" else {}
+    kwargs = {"broadcast": {"root": 9}, "reduce": {"device": "no"}}.get(args[0], {})
     with pytest.raises(ValueError, match=message):
         plan_on(2, *args, **kwargs)
 

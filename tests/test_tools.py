@@ -80,6 +80,7 @@ def test_compare_measures_each_element_count_once(tmp_path, capsys):
     (["model", "--ranks", "2", "-b", "1", "-e", "8"], "sweep no whole element of float32"),
     (["model", "--ranks", "2", "-b", "4", "-e", "4", "-d", "float64"], "(8 B)"),
     (["model", "--ranks", "0"], "--ranks='0'"),
+    (["explain", "allreduce", "--ranks", "65"], "--ranks=65 is invalid; allowed: an int in 1..64"),
     (["model", "--topology", "moon"], "neither a built-in topology nor a file"),
     (["model", "gather"], "collective='gather'"),
     (["tune", "--repeats", "0"], "--repeats=0"),
