@@ -418,7 +418,10 @@ def _model(args: argparse.Namespace) -> int:
     if {"ring", "tree"} <= families:
         scanned = f"{scaling._size(sizes[0])} to {scaling._size(sizes[-1])}"
         priced = {e.nranks for row in rows for e in row if e is not None}
-        for p in (p for p in ranks if p in priced):  # a rank count with rows in the table
+        for p in ranks:  # a rank count with rows in the table, and both families there
+            if p not in priced or not all(scaling.applies(collective, family, p, topology)
+                                          for family in ("tree", "ring")):
+                continue
             size = scaling.crossover(collective, p, topology, "tree", "ring",
                                      low=sizes[0], high=sizes[-1], itemsize=itemsize)
             where = (f"at no size from {scanned}" if size is None

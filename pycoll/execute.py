@@ -12,6 +12,7 @@ as it lands, and where some rank forwards, every rank posts its receives a step 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -266,16 +267,43 @@ def _forwards(step, groups, following) -> tuple[tuple[int, int], ...]:
     to_peer: dict[int, list[int]] = {}
     for j, t in enumerate(transmits):
         to_peer.setdefault(t.peer, []).append(j)
+    forwardable: dict[tuple[int, int], int] = {}  # a range's first transmit that may go on
+    for j, t in enumerate(transmits):
+        if not t.from_input and len(to_peer[t.peer]) == 1:
+            forwardable.setdefault((t.start, t.stop), j)
     pairs = []
+    shares_range = _overlap_test(receives)
     for i, r in candidates:
-        if any(k != i and o.start < r.stop and r.start < o.stop for k, o in enumerate(receives)):
-            continue
-        for j, t in enumerate(transmits):
-            if (not t.from_input and (t.start, t.stop) == (r.start, r.stop)
-                    and len(to_peer[t.peer]) == 1):
-                pairs.append((i, j))
-                break
+        j = forwardable.get((r.start, r.stop))
+        if j is not None and not shares_range(i):
+            pairs.append((i, j))
     return tuple(pairs)
+
+
+def _overlap_test(ranges: list) -> Callable[[int], bool]:
+    """``shares_range(i)``: whether some other of ``ranges`` (each with start and stop)
+    overlaps the i-th (``o.start < r.stop and r.start < o.stop``), in O(log n) a query: a
+    tree's root receives a block from every rank in one step, and testing each against all
+    took seconds to compile a 64-rank AllGather."""
+    order = sorted(range(len(ranges)), key=lambda k: ranges[k].start)
+    starts = [ranges[k].start for k in order]
+    # per prefix of ``order``: its largest stop, whose that is, and the largest of the rest
+    top, who, second = -1, -1, -1
+    prefix = [(top, who, second)]
+    for k in order:
+        stop = ranges[k].stop
+        if stop > top:
+            top, who, second = stop, k, top
+        elif stop > second:
+            second = stop
+        prefix.append((top, who, second))
+
+    def shares_range(i: int) -> bool:
+        r = ranges[i]
+        top, who, second = prefix[bisect.bisect_left(starts, r.stop)]  # those starting before
+        return (second if who == i else top) > r.start
+
+    return shares_range
 
 
 def _reduce_groups(receives: list[Receive], least: int = 2) -> tuple[tuple[int, ...], ...]:

@@ -10,7 +10,8 @@ the same. Up to ``FULL_LIMIT`` ranks that is done only where it equals the full 
 nodes, chunks of equal size; the tests check it), else every rank is played. Beyond, one rank
 stands for all whatever the size, and the segment count is 1 (a ring's segments run one after
 another, so under the model more only add alphas). Direct and two_shot are left out beyond
-512 ranks.
+512 ranks, and the tree's AllGather and ReduceScatter (p² transfers, every rank's different)
+beyond 64.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from pycoll.select import spans_nodes
 FULL_LIMIT = 64  # beyond: symmetric schedules played on one rank at every size (up to: where exact)
 DIRECT_LIMIT = 512  # p-1 messages per rank: not a candidate beyond
 ONE_ROUND = ("direct", "two_shot")  # the families with p-1 messages per rank and round
+# a tree's AllGather and ReduceScatter carry every rank's block through each level: p^2
+# transfers, on no rank alike (64 ranks took 2 s a size to play, 512 hours)
+SQUARE_UNEVEN = {("tree", Collective.ALLGATHER), ("tree", Collective.REDUCE_SCATTER)}
 
 
 def builtin_topologies() -> dict[str, model.Topology]:
@@ -106,11 +110,14 @@ def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: i
 def applies(collective: Collective, family: str, nranks: int, topology: model.Topology) -> bool:
     """Whether ``family`` is priced at ``nranks``: one-round families up to DIRECT_LIMIT
     ranks where one rank can price them in lockstep, else up to FULL_LIMIT (their p² full
-    play takes minutes beyond); node-aware ones where the ranks span nodes."""
+    play takes minutes beyond), as the tree's AllGather and ReduceScatter
+    (``SQUARE_UNEVEN``); node-aware ones where the ranks span nodes."""
     if family in ONE_ROUND:
         limit = DIRECT_LIMIT if model.symmetric(collective, family, nranks) else FULL_LIMIT
         if nranks > limit:
             return False
+    if (family, collective) in SQUARE_UNEVEN and nranks > FULL_LIMIT:
+        return False
     return not (algorithms.node_aware(family) and not spans_nodes(topology, nranks))
 
 

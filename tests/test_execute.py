@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import types
 
-from pycoll import algorithms
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pycoll import algorithms, execute
 from pycoll.execute import compile_program
 from pycoll.schedule import Collective, Layout, Recv, Schedule, Send, result_chunks
 
@@ -227,3 +231,15 @@ def test_halving_doubling_allgather_posts_nothing_ahead_as_it_never_forwards():
     assert not some_rank_forwards(schedule, Layout.even(8 * 1000, 8, 1))
     ring = algorithms.build("ring", Collective.ALLGATHER, 8, 1, None)
     assert some_rank_forwards(ring, Layout.even(8 * 1000, 8, 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 5)), max_size=10))
+def test_the_overlap_test_agrees_with_testing_every_pair(spans):
+    """Forwarding needs a receive alone on its range; testing each against every other took
+    seconds to compile a 64-rank tree AllGather (its root receives from every rank at once)."""
+    ranges = [types.SimpleNamespace(start=a, stop=a + n) for a, n in spans]
+    shares_range = execute._overlap_test(ranges)
+    for i, r in enumerate(ranges):
+        assert shares_range(i) == any(k != i and o.start < r.stop and r.start < o.stop
+                                      for k, o in enumerate(ranges))

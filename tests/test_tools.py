@@ -15,6 +15,7 @@ import pytest
 import pycoll
 from pycoll import model, scaling, tune
 from pycoll.cli import main
+from pycoll.schedule import Collective
 
 
 def test_tune_measures_fits_and_writes_a_tuning_file(tmp_path, capsys):
@@ -428,3 +429,22 @@ def test_the_ipc_smoke_test_names_the_step_that_failed():
         assert re.search(rf"rank {rank}: cuda ipc smoke failed while (importing CuPy|choosing "
                          r"the device): \w+", done.stdout), done.stdout + done.stderr
     assert "cuda ipc smoke: ok" not in done.stdout
+
+
+def test_model_leaves_out_the_tree_allgather_beyond_64_ranks(capsys):
+    """It carries every rank's block through each level, no two ranks alike: p² transfers
+    to play on every rank (`pycoll model allgather` at its default 512 and 4096 ranks ran
+    for hours)."""
+    nvlink_ib = scaling.topology_named("nvlink-ib")
+    for collective in (Collective.ALLGATHER, Collective.REDUCE_SCATTER):
+        assert scaling.applies(collective, "tree", 64, nvlink_ib)
+        assert not scaling.applies(collective, "tree", 65, nvlink_ib)
+        assert scaling.applies(collective, "ring", 4096, nvlink_ib)
+    assert scaling.applies(Collective.ALLREDUCE, "tree", 4096, nvlink_ib)
+    rows = scaling.table(Collective.ALLGATHER, [128], [1 << 20], nvlink_ib)
+    assert {e.algorithm for e in rows[0] if e is not None} == {
+        "ring", "halving_doubling", "direct", "hierarchical"}
+    # nor is it priced for the tree-against-ring line (which priced it whatever the table did)
+    assert main(["model", "allgather", "--ranks", "8,128", "-b", "1M", "-e", "1M"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " ranks: tree" in line]
+    assert [line.split(":")[0] for line in lines] == ["# 8 ranks"]
