@@ -75,8 +75,10 @@ def verified(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
         @functools.wraps(fn)
         def collective(*args: Any, **kwargs: Any) -> Any:
+            if not active:
+                return fn(*args, **kwargs)
             flag = kwargs.get("async_op", False)
-            if not active or (flag is not False and flag is not np.False_):
+            if flag is not False and flag is not np.False_:
                 return fn(*args, **kwargs)  # async: the worker calls this again (or fn says
                 # what is wrong with async_op)
             comm = _communicator(kwargs.get("comm"))
