@@ -29,7 +29,12 @@ SIGNATURE_BYTES = 512  # one rank's signature, JSON padded with zeros
 _COUNTS_SHOWN = 8  # longer counts travel as a checksum
 
 
-class CollectiveMismatch(ValueError):
+class AgreedError(ValueError):
+    """An error the ranks agreed on before raising it, every one alike: the communicator is
+    still in step (an async call failing with it does not break it)."""
+
+
+class CollectiveMismatch(AgreedError):
     """The ranks of a collective disagree on its arguments (raised on every rank)."""
 
 

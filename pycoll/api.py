@@ -47,7 +47,7 @@ def allreduce(
 ) -> Array:
     """Combine ``x`` over all ranks with ``op``; every rank gets the whole result."""
     if async_op is not False and _async(async_op, "allreduce"):
-        _before_submit(comm, x, Collective.ALLREDUCE, algorithm)
+        _before_submit(comm, x, "allreduce", algorithm, stream)
         _op(op, x, "allreduce")
         if out is not None:
             _out(out, x, x.shape, "allreduce", may_alias=True)
@@ -224,7 +224,7 @@ def reduce_scatter(
 ) -> Array:
     """Combine ``x`` over all ranks; rank r gets rows ``sum(counts[:r])`` up to the next."""
     if async_op is not False and _async(async_op, "reduce_scatter"):
-        checked = _before_submit(comm, x, Collective.REDUCE_SCATTER, algorithm)
+        checked = _before_submit(comm, x, "reduce_scatter", algorithm, stream)
         _op(op, x, "reduce_scatter")
         listed = _counts(counts, _rows(x, "reduce_scatter"), checked.size, "reduce_scatter",
                          "len(x)")
@@ -301,7 +301,7 @@ def allgather(
     ``counts[r]`` rows.
     """
     if async_op is not False and _async(async_op, "allgather"):
-        checked = _before_submit(comm, x, Collective.ALLGATHER, algorithm)
+        checked = _before_submit(comm, x, "allgather", algorithm, stream)
         rows = _rows(x, "allgather")
         listed = (None if counts is None
                   else _gathered_counts(counts, rows, checked.size, checked.rank))
@@ -375,8 +375,9 @@ def broadcast(
 ) -> Array:
     """Copy root's ``x`` into every rank's ``x`` (in place); returns ``x``."""
     if async_op is not False and _async(async_op, "broadcast"):
+        checked = _before_submit(comm, x, "broadcast", algorithm, stream)
         _writable(x, "x", "broadcast")
-        _root(root, _before_submit(comm, x, Collective.BROADCAST, algorithm), "broadcast")
+        _root(root, checked, "broadcast")
         return _submit(broadcast, "broadcast", x, root, comm=comm, algorithm=algorithm,
                        stream=stream)
     comm = _comm(comm)
@@ -426,7 +427,7 @@ def reduce(
 ) -> Array | None:
     """Combine ``x`` over all ranks at ``root``; returns the result there, None elsewhere."""
     if async_op is not False and _async(async_op, "reduce"):
-        checked = _before_submit(comm, x, Collective.REDUCE, algorithm)
+        checked = _before_submit(comm, x, "reduce", algorithm, stream)
         _op(op, x, "reduce")
         if _root(root, checked, "reduce") == checked.rank and out is not None:
             _out(out, x, x.shape, "reduce", may_alias=True)
@@ -491,7 +492,7 @@ def alltoall(
 ) -> Array:
     """Rank r sends its j-th equal piece of ``x`` to rank j; pieces arrive in source order."""
     if async_op is not False and _async(async_op, "alltoall"):
-        checked = _before_submit(comm, x, Collective.ALLTOALL, "auto")
+        checked = _before_submit(comm, x, "alltoall", "auto", stream)
         _counts(None, _rows(x, "alltoall"), checked.size, "alltoall", "len(x)")
         if out is not None:
             _out(out, x, x.shape, "alltoall", may_alias=True)
@@ -535,7 +536,7 @@ def alltoallv(
     """
     if async_op is not False and _async(async_op, "alltoallv"):
         send_counts, recv_counts = _alltoallv_counts(
-            _before_submit(comm, x, Collective.ALLTOALL, "auto"), x, send_counts, recv_counts)
+            _before_submit(comm, x, "alltoallv", "auto", stream), x, send_counts, recv_counts)
         return _submit(alltoallv, "alltoallv", x, send_counts, recv_counts, comm=comm,
                        stream=stream)
     comm = _comm(comm)
@@ -591,7 +592,7 @@ def _exchange_counts(comm: Communicator, send_counts: list[int],
     dst, src = divmod(int(first[0]), comm.size)
     pair = np.array([arrived[src], recv_counts[src]] if comm.rank == dst else [0, 0], np.int64)
     sent, expected = broadcast(pair, dst, comm=comm)
-    raise ValueError(
+    raise agree.AgreedError(
         f"alltoallv: rank {src} sends {sent} rows to rank {dst} (its send_counts[{dst}]) but "
         f"rank {dst} expects {expected} (its recv_counts[{src}]); the counts must agree "
         "between peers"
@@ -646,6 +647,8 @@ def _posted(comm: Communicator | None, direction: str, buf: Any, peer: Any, tag:
     where that does not apply (device arrays, which run on a worker per direction and peer,
     in call order). Bad arguments raise here, as they would blocking."""
     comm, space, peer, tag = _point_to_point_arguments(comm, direction, buf, peer, tag)
+    with space.using(stream):  # a stream the call would refuse
+        pass
     if stream is not None or space is not HOST:
         return None
     sending = direction == "send"
@@ -773,15 +776,16 @@ def _async(async_op: Any, what: str) -> bool:
     return bool(async_op)
 
 
-def _before_submit(comm: Communicator | None, x: Array, collective: Collective,
-                   algorithm: Any) -> Communicator:
+def _before_submit(comm: Communicator | None, x: Array, what: str, algorithm: Any,
+                   stream: Any) -> Communicator:
     """The checks every async collective makes at the call (each adds its own), so that bad
     input raises there as it would blocking (and as torch.distributed's does), not on the
     worker, where a rank's failed call would leave it a collective behind its peers. Returns
     the communicator, not drained."""
     comm = _comm(comm, drain=False)
-    _space(x, collective.value)
-    _algorithm(algorithm, collective)
+    with _space(x, what).using(stream):  # a stream the call would refuse
+        pass
+    _algorithm(algorithm, Collective.ALLTOALL if what == "alltoallv" else Collective(what))
     return comm
 
 

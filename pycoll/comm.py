@@ -620,8 +620,9 @@ class Communicator:
 
 def _in_step_after(error: Exception) -> bool:
     """Whether every rank raises ``error`` together, leaving the communicator in step: the
-    agreement check's mismatch and the oracle's verdict are agreed before they are raised."""
-    return isinstance(error, agree.CollectiveMismatch | verification.VerificationError)
+    agreement check's mismatch, AllToAllv's counts, an unreadable tuning file and the oracle's
+    verdict are agreed before they are raised."""
+    return isinstance(error, agree.AgreedError | verification.VerificationError)
 
 
 def is_int(value: Any) -> bool:

@@ -18,7 +18,7 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
-from pycoll import model
+from pycoll import agree, model
 from pycoll.algorithms import FAMILIES, families_for, node_aware
 from pycoll.schedule import ROOTED, Collective
 from pycoll.settings import switch
@@ -248,7 +248,11 @@ def topology_for(comm, space, alone: bool = False) -> model.Topology:
         if kind not in comm.topologies:  # the device's first call, or costs since cleared
             comm.share_costs()
         return comm.topologies[kind]
-    topology = _costs(model.nearest(model.load_tuning().get(kind, []), comm.size), kind, comm)
+    try:
+        tunings = model.load_tuning()
+    except ValueError as unreadable:  # in-process, every rank reads the same file
+        raise (unreadable if alone else agree.AgreedError(str(unreadable))) from None
+    topology = _costs(model.nearest(tunings.get(kind, []), comm.size), kind, comm)
     if not alone:  # in-process: every rank reads the same file
         comm.topologies[kind] = topology
     return topology
@@ -269,7 +273,7 @@ def share_tuning(comm) -> None:
             found = str(error)
     found = comm.transport.comm.bcast(found, root=0)
     if isinstance(found, str):
-        raise ValueError(found)
+        raise agree.AgreedError(found)
     for kind in kinds:
         comm.topologies[kind] = _costs(found[kind], kind, comm)
 

@@ -99,6 +99,15 @@ BAD_ASYNC_CALLS = {  # beside test_errors.BAD_CALLS, which runs async too (there
                     "send_counts=\\[1, 1\\] sums to 2"),
     "tag": (lambda r: pycoll.recv(np.ones(3), 1 - r, tag=-1, async_op=True),
             "tag=-1 is invalid"),
+    "stream": (lambda r: pycoll.allreduce(np.ones(3), stream="s", async_op=True),
+               "stream='s' was given for numpy arrays; allowed: None"),
+    "send stream": (lambda r: pycoll.send(np.ones(3), 1 - r, stream="s", async_op=True),
+                    "stream='s' was given for numpy arrays"),
+    # _writable before _space: AttributeError: 'list' object has no attribute 'flags'
+    "not an array": (lambda r: pycoll.broadcast([1, 2], async_op=True),
+                     "broadcast: x is a list; allowed: a numpy.ndarray"),
+    "alltoallv's name": (lambda r: pycoll.alltoallv(np.arange(4.0)[::2], [1, 1], async_op=True),
+                         "alltoallv: x is not C-contiguous"),  # it said alltoall
 }
 
 
@@ -176,6 +185,33 @@ def test_a_blocking_call_after_a_failed_async_one_raises_without_waiting_on_it(m
 
     with pytest.raises(RuntimeError, match="its async allgather failed: OSError: lost"):
         run(2, body)
+
+
+def test_an_error_the_ranks_agreed_on_leaves_the_communicator_whole():
+    """AllToAllv's counts that disagree are agreed and raised on every rank, as blocking:
+    still in step, so the async call's failure must not break the communicator."""
+    def body(rank):
+        expected = [2, 1] if rank == 0 else [1, 1]
+        with pytest.raises(ValueError, match="the counts must agree between peers"):
+            pycoll.alltoallv(np.arange(2), [1, 1], expected, async_op=True).wait()
+        return pycoll.world().broken, pycoll.allreduce(np.ones(2)).tolist()
+
+    assert run(2, body) == [(None, [2.0, 2.0])] * 2
+
+
+def test_an_unreadable_tuning_file_leaves_the_communicator_whole(monkeypatch, tmp_path):
+    """Every rank reads the same file (under MPI, is sent rank 0's verdict) and raises alike:
+    still in step."""
+    path = tmp_path / "tuning.json"
+    path.write_text("{bad json")
+    monkeypatch.setenv("PYCOLL_TUNING", str(path))
+
+    def body(rank):
+        with pytest.raises(ValueError, match="is unreadable"):
+            pycoll.allreduce(np.ones(3), algorithm="ring", async_op=True).wait()
+        return pycoll.world().broken
+
+    assert run(2, body) == [None, None]
 
 
 def test_async_counts_may_be_an_iterator():
