@@ -26,11 +26,12 @@ class Deadlock(RuntimeError):
 
 
 class _Request:
-    __slots__ = ("buf", "rank", "peer", "tag", "kind", "_done")
+    __slots__ = ("buf", "rank", "peer", "tag", "kind", "_done", "sent_bytes")
 
     def __init__(self, buf: np.ndarray, rank: int, peer: int, tag: int, kind: str):
         self.buf, self.rank, self.peer, self.tag, self.kind = buf, rank, peer, tag, kind
         self._done = False
+        self.sent_bytes: int | None = None  # a receive's message, where its size differed
 
     def done(self) -> bool:
         return self._done
@@ -132,7 +133,10 @@ class LocalWorld:
                 self._wake_everyone()
                 raise error
 
-    def post(self, request: _Request, channel: str) -> _Request:
+    def post(self, request: _Request, channel: str, messages_only: bool = False) -> _Request:
+        """Match ``request`` with its partner, if posted, and copy. A size mismatch fails the
+        world, except where ``messages_only`` (Send/Recv): there, as under MPI, the receive
+        alone fails (its wait raises) and the send completes."""
         if request.kind == "send":
             key = (channel, request.rank, request.peer, request.tag)
             mine, theirs = self._unmatched_sends, self._unmatched_recvs
@@ -153,14 +157,18 @@ class LocalWorld:
         # Copy outside the lock so that copies between other pairs run concurrently.
         send, recv = (request, partner) if request.kind == "send" else (partner, request)
         try:
-            if send.buf.nbytes != recv.buf.nbytes:
+            if send.buf.nbytes != recv.buf.nbytes and messages_only:
+                recv.sent_bytes = send.buf.nbytes  # MPI's partial receive: what fits
+                nbytes = min(send.buf.nbytes, recv.buf.nbytes)
+                np.copyto(_bytes_of(recv.buf)[:nbytes], _bytes_of(send.buf)[:nbytes])
+            elif send.buf.nbytes != recv.buf.nbytes:
                 raise ValueError(
                     f"rank {send.rank} sends {send.buf.nbytes} bytes to rank {recv.rank}, "
                     f"which expects {recv.buf.nbytes} (tag {send.tag}); the ranks disagree on "
                     "counts"
                 )
-            # bytes, as MPI moves them: the two dtypes need not agree
-            np.copyto(_bytes_of(recv.buf), _bytes_of(send.buf))
+            else:  # bytes, as MPI moves them: the two dtypes need not agree
+                np.copyto(_bytes_of(recv.buf), _bytes_of(send.buf))
         except BaseException as error:
             self.fail(request.rank, error)
             raise
@@ -264,6 +272,8 @@ class LocalTransport:
         self, world: LocalWorld, rank: int, channel: str, members: list[int] | None = None
     ):
         self.world, self.channel = world, channel
+        # Send/Recv's channels: a message of the wrong size fails its receive alone
+        self.messages_only = channel == "p2p" or channel.endswith("/p2p")
         self.members = list(range(world.nranks)) if members is None else members
         self.world_rank = rank
         self.timeout: float | None = None  # seconds each wait may take (None: no deadline)
@@ -272,17 +282,27 @@ class LocalTransport:
 
     def isend(self, buf: np.ndarray, peer: int, tag: int) -> _Request:
         request = _Request(buf, self.world_rank, self.members[peer], tag, "send")
-        return self.world.post(request, self.channel)
+        return self.world.post(request, self.channel, self.messages_only)
 
     def irecv(self, buf: np.ndarray, peer: int, tag: int) -> _Request:
         request = _Request(buf, self.world_rank, self.members[peer], tag, "recv")
-        return self.world.post(request, self.channel)
+        return self.world.post(request, self.channel, self.messages_only)
 
     def waitall(self, requests: list[_Request]) -> None:
         try:
             self.world.wait(self.world_rank, requests, self.timeout)
         except WaitTimeout as late:  # world ranks -> this group's ranks
             raise WaitTimeout([self.members.index(p) for p in late.peers], late.seconds) from None
+        for request in requests:  # worded as the MPI transport's, in this group's ranks
+            if request.sent_bytes is not None:
+                got = request.sent_bytes
+                request.sent_bytes = None  # raised once, as MPI reports a status once
+                raise ValueError(
+                    f"rank {self.rank} expects {request.buf.nbytes} bytes from rank "
+                    f"{self.members.index(request.peer)} (tag {request.tag}) and "
+                    + ("the message is longer" if got > request.buf.nbytes
+                       else f"received {got}")
+                    + "; the ranks disagree on counts")
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         requests = [self.irecv(recv, src, tag), self.isend(send, dst, tag)]

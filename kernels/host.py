@@ -115,7 +115,11 @@ def check_dtype(dtype: object) -> np.dtype:
     except (TypeError, ValueError):
         raise TypeError(f"dtype={dtype!r} is not a dtype; allowed: {allowed}") from None
     if dt not in _SUPPORTED_SET:
-        raise TypeError(f"dtype={str(dt)!r} is not supported; allowed: {allowed}")
+        native = dt.newbyteorder("=")
+        hint = (f" ({native} in the other byte order: convert with "
+                f".astype({str(native)!r}))" if native != dt and native in _SUPPORTED_SET
+                else "")
+        raise TypeError(f"dtype={str(dt)!r} is not supported{hint}; allowed: {allowed}")
     return dt
 
 

@@ -874,7 +874,10 @@ def _space(x: object, collective: str, name: str = "x") -> Any:
     if isinstance(x, np.matrix | np.ma.MaskedArray):  # a shape of its own; a mask dropped
         raise TypeError(f"{collective}: {name} is a {type(x).__module__}.{type(x).__name__}; "
                         f"allowed: a numpy.ndarray (pass numpy.asarray({name}))")
-    check_dtype(x.dtype)
+    try:
+        check_dtype(x.dtype)
+    except TypeError as error:  # say which call and which array
+        raise TypeError(f"{collective}: {name}.{error}") from None
     if not x.flags.c_contiguous:
         module = "numpy" if space.name == "host" else "cupy"
         raise ValueError(
