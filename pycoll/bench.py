@@ -293,7 +293,7 @@ class _Case:
 
     def fill_for_check(self) -> None:
         values = _check_values(self.comm.rank, self.comm.size, 0, self.x.size, self.op,
-                               self.dtype, self.collective)
+                               self.dtype, self.collective, self.x.size // self.comm.size)
         with self.memory.on_stream():
             self.x[...] = self.memory.upload(values)
         self.memory.synchronize()
@@ -357,7 +357,7 @@ class _Case:
         c, op, dtype = self.collective, self.op, self.dtype
 
         def values(r: int, lo: int, hi: int) -> np.ndarray:
-            return _check_values(r, p, lo, hi, op, dtype, c)
+            return _check_values(r, p, lo, hi, op, dtype, c, self.count // p)
 
         if c is Collective.REDUCE_SCATTER:
             base = rank * self.out.size
@@ -442,14 +442,20 @@ class _Memory:
 
 
 def _check_values(rank: int, nranks: int, start: int, stop: int, op: str, dtype: np.dtype,
-                  collective: Collective) -> np.ndarray:
+                  collective: Collective, piece: int = 0) -> np.ndarray:
     """Position i of rank r: small integers, so that every algorithm's result is exact, which
-    tell ranks and positions apart in the result. Moved data: 1 + (37r + 11i) mod 101. Reduced
+    tell ranks and positions apart in the result. Moved data: 1 + (37r + 11i) mod 101; for
+    AllToAll, whose pieces of ``piece`` elements go one to each rank d, position k of piece d
+    holds 1 + (37(rn + d) + 11k) mod 101, so that no two pieces' patterns are alike up to 10
+    ranks, whatever the piece's length (with 37r + 11i, every piece of a rank was alike where
+    the length was a multiple of 101, and a piece sent to the wrong peer passed). Reduced
     data: rank 0 holds a pattern over i, period-free (the exponent of i + 1, plus i, mod 3), so
     a block moved by any offset shows; rank r > 0 holds 1, and 2 where i mod p = r, so a
     contribution lost or doubled shows, for sum, avg, prod and max; min takes 4 minus that."""
     index = np.arange(start, stop, dtype=np.int64)
-    if collective in (Collective.BROADCAST, Collective.ALLGATHER, Collective.ALLTOALL):
+    if collective is Collective.ALLTOALL and piece > 0:
+        values = 1 + (37 * (rank * nranks + index // piece) + 11 * (index % piece)) % 101
+    elif collective in (Collective.BROADCAST, Collective.ALLGATHER, Collective.ALLTOALL):
         values = 1 + (37 * rank + 11 * index) % 101
     else:
         if rank == 0:

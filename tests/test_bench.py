@@ -355,6 +355,41 @@ def test_the_check_counts_a_misplaced_block(monkeypatch, capsys, collective, op,
     assert rows[0]["wrong"] > 0
 
 
+def _alltoall_faulty(fault):
+    """AllToAll that exchanges nothing (``out = x``), or sends each peer the piece meant for
+    the next one."""
+    import numpy as np
+
+    import pycoll
+
+    real = pycoll.alltoall
+
+    def wrong(x, *, out=None, comm=None, **kwargs):
+        if fault == "nothing":
+            out[...] = x
+            return out
+        pieces = x.reshape(comm.size, -1)
+        return real(np.ascontiguousarray(np.roll(pieces, -1, axis=0)).reshape(x.shape), out=out,
+                    comm=comm, **kwargs)
+
+    return wrong
+
+
+@pytest.mark.parametrize("fault", ["nothing", "next peer's piece"])
+@pytest.mark.parametrize("piece", [86, 100, 101, 202])
+def test_the_check_counts_an_alltoall_piece_for_another_peer(monkeypatch, capsys, fault, piece):
+    """Every piece of a rank was alike where its length was a multiple of 101 (a piece sent to
+    the wrong peer passed), and at 86 elements on 3 ranks an exchange of nothing passed."""
+    import pycoll
+
+    monkeypatch.setattr(pycoll, "alltoall", _alltoall_faulty(fault))
+    size = str(piece * 3 * 4)
+    assert main(["bench", "alltoall", "--ranks", "3", "-b", size, "-e", size, "-n", "1", "-w",
+                 "0", "--json", "-"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["count"] == piece and rows[0]["wrong"] > 0
+
+
 def test_an_op_in_capitals_is_the_op(capsys):
     assert main(["bench", "--ranks", "2", "-b", "8", "-e", "8", "-n", "1", "-w", "0",
                  "-o", "PROD", "--json", "-"]) == 0
