@@ -187,7 +187,13 @@ def explain(
                f"makes them: {nranks}")
         nsegments = nranks
     # the nodes (PYCOLL_RANKS_PER_NODE) as the run below sees them: for hierarchical
-    per_node = pycoll.run_local(nranks, lambda: pycoll.world().ranks_per_node)[0]
+    per_node, nnodes = pycoll.run_local(
+        nranks, lambda: (pycoll.world().ranks_per_node, len(set(pycoll.world().nodes()))))[0]
+    if algorithms.node_aware(algorithm) and per_node == 0:
+        where = ("one node" if nnodes == 1 else
+                 f"nodes of unequal size (PYCOLL_RANKS_PER_NODE does not divide {nranks})")
+        print_(f"pycoll explain: {algorithm} on {where} runs as its flat schedule, shown here; "
+               "set PYCOLL_RANKS_PER_NODE to a divisor of --ranks to see the nodes")
     schedule = algorithms.build(algorithm, kind, nranks, nsegments, root,
                                 ranks_per_node=per_node)
     report = check(schedule)

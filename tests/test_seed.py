@@ -163,3 +163,20 @@ def test_explain_names_a_chunk_without_elements(capsys):
 def test_explain_rejects_a_family_without_the_schedule(capsys):
     assert main(["explain", "alltoall", "--algorithm", "ring"]) == 2
     assert "has no alltoall schedule" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("per_node,nranks,told", [
+    ("", 3, "hierarchical on one node runs as its flat schedule"),
+    ("2", 5, "hierarchical on nodes of unequal size (PYCOLL_RANKS_PER_NODE does not divide 5) "
+             "runs as its flat schedule"),
+    ("2", 4, None),
+])
+def test_explain_says_when_a_node_aware_family_runs_flat(monkeypatch, capsys, per_node, nranks,
+                                                         told):
+    """It printed "hierarchical allreduce" over the flat ring's steps without a word."""
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", per_node)
+    assert main(["explain", "allreduce", "--ranks", str(nranks), "--algorithm",
+                 "hierarchical"]) == 0
+    out = capsys.readouterr().out
+    assert (told in out) if told else "flat schedule" not in out
+    assert out.rstrip().endswith("matches the numpy oracle")
