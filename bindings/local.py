@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pycoll.bindings.transport import PeerFailed, WaitTimeout
+from pycoll.bindings.transport import PeerFailed, WaitTimeout, counts_disagree
 
 
 class Deadlock(RuntimeError):
@@ -157,18 +157,18 @@ class LocalWorld:
         # Copy outside the lock so that copies between other pairs run concurrently.
         send, recv = (request, partner) if request.kind == "send" else (partner, request)
         try:
-            if send.buf.nbytes != recv.buf.nbytes and messages_only:
+            if send.buf.nbytes == recv.buf.nbytes:  # bytes, as MPI moves them: any dtypes
+                np.copyto(_bytes_of(recv.buf), _bytes_of(send.buf))
+            elif messages_only:
                 recv.sent_bytes = send.buf.nbytes  # MPI's partial receive: what fits
                 nbytes = min(send.buf.nbytes, recv.buf.nbytes)
                 np.copyto(_bytes_of(recv.buf)[:nbytes], _bytes_of(send.buf)[:nbytes])
-            elif send.buf.nbytes != recv.buf.nbytes:
+            else:
                 raise ValueError(
                     f"rank {send.rank} sends {send.buf.nbytes} bytes to rank {recv.rank}, "
                     f"which expects {recv.buf.nbytes} (tag {send.tag}); the ranks disagree on "
                     "counts"
                 )
-            else:  # bytes, as MPI moves them: the two dtypes need not agree
-                np.copyto(_bytes_of(recv.buf), _bytes_of(send.buf))
         except BaseException as error:
             self.fail(request.rank, error)
             raise
@@ -295,14 +295,9 @@ class LocalTransport:
             raise WaitTimeout([self.members.index(p) for p in late.peers], late.seconds) from None
         for request in requests:  # worded as the MPI transport's, in this group's ranks
             if request.sent_bytes is not None:
-                got = request.sent_bytes
-                request.sent_bytes = None  # raised once, as MPI reports a status once
-                raise ValueError(
-                    f"rank {self.rank} expects {request.buf.nbytes} bytes from rank "
-                    f"{self.members.index(request.peer)} (tag {request.tag}) and "
-                    + ("the message is longer" if got > request.buf.nbytes
-                       else f"received {got}")
-                    + "; the ranks disagree on counts")
+                got, request.sent_bytes = request.sent_bytes, None  # raised once, as MPI does
+                raise counts_disagree(self.rank, request.buf.nbytes,
+                                      self.members.index(request.peer), request.tag, got)
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         requests = [self.irecv(recv, src, tag), self.isend(send, dst, tag)]

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pycoll.bindings.transport import WaitTimeout
+from pycoll.bindings.transport import WaitTimeout, counts_disagree
 from pycoll.settings import switch
 
 # Launchers set these in every rank's environment; a plain `python` sets none of them.
@@ -94,10 +94,7 @@ class MPITransport:
             if entry is not None and short is None and status.Get_count(self._byte) != entry[1]:
                 short = (*entry[1:], status.Get_count(self._byte))
         if short is not None:
-            nbytes, peer, tag, got = short
-            raise ValueError(
-                f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
-                f"received {got}; the ranks disagree on counts")
+            raise counts_disagree(self.rank, *short)
 
     def test(self, request: Any) -> bool:
         """Whether ``request`` completed; never blocks, and leaves it to waitall (its
@@ -136,10 +133,7 @@ class MPITransport:
                     MPI.Get_error_class(code) == MPI.ERR_TRUNCATE):
                 truncated = entry
         if truncated is not None:
-            _, nbytes, peer, tag = truncated
-            raise ValueError(
-                f"rank {self.rank} expects {nbytes} bytes from rank {peer} (tag {tag}) and "
-                "the message is longer; the ranks disagree on counts") from None
+            raise counts_disagree(self.rank, *truncated[1:], None) from None
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         if self.timeout is not None:
@@ -158,10 +152,7 @@ class MPITransport:
             got = status.Get_count(byte)
             if got == recv.nbytes:
                 return
-        raise ValueError(
-            f"rank {self.rank} expects {recv.nbytes} bytes from rank {src} (tag {tag}) and "
-            + ("the message is longer" if got is None else f"received {got}")
-            + "; the ranks disagree on counts")
+        raise counts_disagree(self.rank, recv.nbytes, src, tag, got)
 
     def free(self) -> None:
         self.comm.Free()

@@ -61,3 +61,11 @@ class ChannelsCrossed(ValueError):
 class CollectiveTimeout(TimeoutError):
     """A collective waited past the communicator's timeout; the message names the collective,
     the algorithm, the step and the peers still awaited. The communicator is broken after it."""
+
+
+def counts_disagree(rank: int, expected: int, peer: int, tag: int, got: int | None) -> ValueError:
+    """The error of a receive of ``expected`` bytes whose message held ``got`` (None: more
+    than fit), worded alike by every host transport."""
+    held = "the message is longer" if got is None or got > expected else f"received {got}"
+    return ValueError(f"rank {rank} expects {expected} bytes from rank {peer} (tag {tag}) and "
+                      f"{held}; the ranks disagree on counts")

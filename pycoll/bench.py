@@ -293,7 +293,7 @@ class _Case:
 
     def fill_for_check(self) -> None:
         values = _check_values(self.comm.rank, self.comm.size, 0, self.x.size, self.op,
-                               self.dtype, self.collective, self.x.size // self.comm.size)
+                               self.dtype, self.collective, self.count // self.comm.size)
         with self.memory.on_stream():
             self.x[...] = self.memory.upload(values)
         self.memory.synchronize()
