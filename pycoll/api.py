@@ -222,14 +222,17 @@ def reduce_scatter(
     stream: Any = None,
     async_op: bool = False,
 ) -> Array:
-    """Combine ``x`` over all ranks; rank r gets rows ``sum(counts[:r])`` up to the next."""
+    """Combine ``x`` over all ranks; rank r gets rows ``sum(counts[:r])`` up to the next.
+
+    ``out`` may be those rows of ``x`` (in place, as NCCL's); x's other rows are kept."""
     if async_op is not False and _async(async_op, "reduce_scatter"):
         checked = _before_submit(comm, x, "reduce_scatter", algorithm, stream)
         _op(op, x, "reduce_scatter")
         listed = _counts(counts, _rows(x, "reduce_scatter"), checked.size, "reduce_scatter",
                          "len(x)")
         if out is not None:
-            _out(out, x, (listed[checked.rank], *x.shape[1:]), "reduce_scatter")
+            _out(out, x, (listed[checked.rank], *x.shape[1:]), "reduce_scatter",
+                 block_at=_block_at(x, listed, checked.rank))
         return _submit(reduce_scatter, "reduce_scatter", x, op,
                        counts=None if counts is None else listed, out=out, comm=comm,
                        algorithm=algorithm, stream=stream)
@@ -241,7 +244,8 @@ def reduce_scatter(
         remembered = _known(comm, known)
         if remembered is not None and x.flags.c_contiguous:
             parsed, shape, blocks, how = remembered
-            out = _out(out, x, shape, "reduce_scatter")
+            out = _out(out, x, shape, "reduce_scatter",
+                       block_at=sum(blocks[: comm.rank]) * x.itemsize)
             _reduce_scatter(comm, x, out, parsed, blocks, algorithm, None, HOST, how)
             return out
     space = _space(x, "reduce_scatter")
@@ -250,7 +254,7 @@ def reduce_scatter(
     counts = _counts(counts, rows, comm.size, "reduce_scatter", "len(x)")
     shape = (counts[comm.rank], *x.shape[1:])
     with space.using(stream):
-        out = _out(out, x, shape, "reduce_scatter")
+        out = _out(out, x, shape, "reduce_scatter", block_at=_block_at(x, counts, comm.rank))
         blocks = tuple(c * _row_size(x) for c in counts)
         how = _reduce_scatter(comm, x, out, op, blocks, algorithm, stream, space)
     _remember(comm, known, (op, shape, blocks, how))
@@ -298,7 +302,7 @@ def allgather(
     """Every rank's ``x`` concatenated in rank order along the first axis, on every rank.
 
     Without ``counts`` every rank's ``x`` has the same shape; with them, rank r's has
-    ``counts[r]`` rows.
+    ``counts[r]`` rows. ``x`` may be this rank's rows of ``out`` (in place, as NCCL's).
     """
     if async_op is not False and _async(async_op, "allgather"):
         checked = _before_submit(comm, x, "allgather", algorithm, stream)
@@ -307,7 +311,8 @@ def allgather(
                   else _gathered_counts(counts, rows, checked.size, checked.rank))
         if out is not None:
             _out(out, x, (rows * checked.size if listed is None else sum(listed), *x.shape[1:]),
-                 "allgather")
+                 "allgather", block_at=_block_at(x, listed or [rows] * checked.size,
+                                                 checked.rank))
         return _submit(allgather, "allgather", x, counts=listed, out=out, comm=comm,
                        algorithm=algorithm, stream=stream)
     comm = _comm(comm)
@@ -317,7 +322,7 @@ def allgather(
         remembered = _known(comm, known)
         if remembered is not None and x.flags.c_contiguous:
             shape, blocks, how = remembered
-            out = _out(out, x, shape, "allgather")
+            out = _out(out, x, shape, "allgather", block_at=sum(blocks[: comm.rank]) * x.itemsize)
             _allgather(comm, x, out, blocks, algorithm, None, how)
             return out
     space = _space(x, "allgather")
@@ -328,7 +333,7 @@ def allgather(
         counts = _gathered_counts(counts, rows, comm.size, comm.rank)
     shape = (sum(counts), *x.shape[1:])
     with space.using(stream):
-        out = _out(out, x, shape, "allgather")
+        out = _out(out, x, shape, "allgather", block_at=_block_at(x, counts, comm.rank))
         row = _row_size(x)
         blocks = tuple(c * row for c in counts)
         how = _allgather(comm, x, out, blocks, algorithm, stream)
@@ -915,6 +920,11 @@ def _row_size(x: np.ndarray) -> int:
     return math.prod(x.shape[1:])
 
 
+def _block_at(x: Array, counts: list[int], rank: int) -> int:
+    """The byte offset of ``rank``'s rows in an array of ``counts`` rows shaped as ``x``'s."""
+    return sum(counts[:rank]) * _row_size(x) * x.itemsize
+
+
 def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
     """Validate per-rank row counts, or split ``rows`` evenly when ``counts`` is None."""
     if counts is None:
@@ -947,7 +957,11 @@ def _counts(counts, rows, nranks, collective, what, name="counts") -> list[int]:
     return values
 
 
-def _out(out, x, shape, collective, may_alias=False) -> Array:
+def _out(out, x, shape, collective, may_alias=False, block_at=None) -> Array:
+    """``out`` checked against ``x`` (None: a new array). ``may_alias``: out may be x
+    itself; ``block_at``: the byte offset of this rank's block, where the smaller of the two
+    may lie in the larger (NCCL's in place: AllGather's x as out's block, ReduceScatter's out
+    as x's)."""
     if out is None:
         return space_of(x).empty(shape, x.dtype)  # x was checked; this is its space
     if (type(out) is np.ndarray and type(x) is np.ndarray and out.dtype == x.dtype
@@ -970,13 +984,29 @@ def _out(out, x, shape, collective, may_alias=False) -> Array:
     if out.shape != tuple(shape):
         raise ValueError(f"{collective}: out.shape={out.shape}; allowed: {tuple(shape)}")
     overlaps = space.may_share_memory(out, x) and space.shares_memory(out, x)
-    if overlaps and not (may_alias and _same_memory(space, out, x)):
-        raise ValueError(
-            f"{collective}: out overlaps x; pass out=x exactly (in place)"
-            if may_alias
-            else f"{collective}: out overlaps x; allowed: separate arrays"
-        )
+    if overlaps and not (may_alias and _same_memory(space, out, x)) and not (
+            block_at is not None and _is_block(space, out, x, block_at)):
+        raise ValueError(_overlap_message(collective, x, out, may_alias, block_at))
     return out
+
+
+def _is_block(space: Any, out: Array, x: Array, block_at: int) -> bool:
+    """Whether the smaller of ``out`` and ``x`` is the larger's bytes from ``block_at``."""
+    small, large = (x, out) if x.nbytes <= out.nbytes else (out, x)
+    return space.address(small) == space.address(large) + block_at
+
+
+def _overlap_message(collective: str, x: Array, out: Array, may_alias: bool,
+                     block_at: int | None) -> str:
+    if may_alias:
+        return f"{collective}: out overlaps x; pass out=x exactly (in place)"
+    if block_at is None:
+        return f"{collective}: out overlaps x; allowed: separate arrays"
+    rows, (larger, smaller) = ((x.shape[0], ("out", "x")) if collective == "allgather"
+                               else (out.shape[0], ("x", "out")))
+    start = block_at // (x.itemsize * max(_row_size(x), 1))
+    return (f"{collective}: out overlaps x; allowed: separate arrays, or {smaller} as this "
+            f"rank's rows of {larger} ({smaller} = {larger}[{start}:{start + rows}], in place)")
 
 
 def _same_memory(space: Any, a: Array, b: Array) -> bool:

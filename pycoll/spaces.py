@@ -104,7 +104,8 @@ class CudaSpace:
         return self._cupy.empty(shape, dtype)
 
     def copy(self, dst: Any, src: Any) -> None:
-        if dst.nbytes:
+        # the same memory (an in-place AllGather's own block): CUDA's memcpy takes no overlap
+        if dst.nbytes and dst.data.ptr != src.data.ptr:
             dst.data.copy_from_device_async(src.data, src.nbytes, self.current_stream())
 
     def may_share_memory(self, a: Any, b: Any) -> bool:

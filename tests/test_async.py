@@ -83,6 +83,31 @@ def test_every_collective_takes_async_op(monkeypatch, transport):
         np.testing.assert_array_equal(blocking, oracle.allreduce(inputs, "sum"))
 
 
+@pytest.mark.parametrize("counts", [None, [3, 0, 4]])
+def test_async_allgather_and_reduce_scatter_in_place(counts):
+    """NCCL's in place through async_op: its check at the call takes this rank's rows."""
+    rows = counts or [2, 2, 2]
+    starts = np.cumsum([0, *rows])
+    inputs = [exact_input(r, 6 if counts is None else 7, np.dtype(np.int32), "sum")
+              for r in range(3)]
+
+    def body(rank):
+        out = np.zeros(sum(rows), np.int32)
+        mine = out[starts[rank]:starts[rank + 1]]
+        mine[...] = inputs[rank][: rows[rank]]
+        gathered = pycoll.allgather(mine, counts=counts, out=out, async_op=True)
+        x = inputs[rank].copy()
+        shard = x[starts[rank]:starts[rank + 1]]
+        reduced = pycoll.reduce_scatter(x, counts=counts, out=shard, async_op=True)
+        return gathered.wait() is out and reduced.wait() is shard, out, shard
+
+    for rank, (same, out, shard) in enumerate(run(3, body)):
+        assert same
+        np.testing.assert_array_equal(out, oracle.allgather([x[:n] for x, n in zip(inputs,
+                                                                                  rows)]))
+        np.testing.assert_array_equal(shard, oracle.reduce_scatter(inputs, "sum", rows)[rank])
+
+
 def _read_only(x):
     x.flags.writeable = False
     return x

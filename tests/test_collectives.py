@@ -103,6 +103,56 @@ def test_allgather(index, algorithm, nranks, count):
     _identical_everywhere(results)
 
 
+def in_place_cases(collective: Collective):
+    return [(algorithm, nranks, count) for algorithm in ["auto", *families_for(collective)]
+            for nranks in (1, 2, 3, 5, 7) for count in sizes(nranks) + [1000]]
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", in_place_cases(Collective.REDUCE_SCATTER))
+def test_reduce_scatter_in_place(algorithm, nranks, count):
+    """NCCL's in place: out is this rank's rows of x (uneven where count does not divide)."""
+    dtype, op = pick(count + nranks, True)
+    counts = [len(part) for part in np.array_split(np.arange(count), nranks)]
+    starts = np.cumsum([0, *counts])
+    inputs = [exact_input(r, count, dtype, op, nranks) for r in range(nranks)]
+
+    def body():
+        rank = pycoll.world().rank
+        x = inputs[rank].copy()
+        out = x[starts[rank]:starts[rank + 1]]
+        given = None if count % nranks == 0 else counts
+        got = pycoll.reduce_scatter(x, op, counts=given, out=out, algorithm=algorithm)
+        return got is out, out.copy(), x
+
+    expected = oracle.reduce_scatter(inputs, op, counts)
+    for rank, (same, out, x) in enumerate(pycoll.run_local(nranks, body)):
+        assert same
+        np.testing.assert_array_equal(out, expected[rank])
+        rest = np.r_[0:starts[rank], starts[rank + 1]:count]  # the rows of other ranks
+        np.testing.assert_array_equal(x[rest], inputs[rank][rest])
+
+
+@pytest.mark.parametrize("algorithm,nranks,count", in_place_cases(Collective.ALLGATHER))
+def test_allgather_in_place(algorithm, nranks, count):
+    """NCCL's in place: x is this rank's rows of out."""
+    dtype, _ = pick(count + nranks, False)
+    counts = [len(part) for part in np.array_split(np.arange(count), nranks)][::-1]
+    starts = np.cumsum([0, *counts])
+    inputs = [exact_input(r, counts[r], dtype, "sum", count) for r in range(nranks)]
+
+    def body():
+        rank = pycoll.world().rank
+        out = np.full(count, 7, dtype)  # what other ranks' rows held must not show
+        x = out[starts[rank]:starts[rank + 1]]
+        x[...] = inputs[rank]
+        given = None if count % nranks == 0 else counts  # even: the form without counts
+        return pycoll.allgather(x, counts=given, out=out, algorithm=algorithm) is out, out
+
+    for same, out in pycoll.run_local(nranks, body):
+        assert same
+        np.testing.assert_array_equal(out, oracle.allgather(inputs))
+
+
 @pytest.mark.parametrize(
     "index,algorithm,nranks,count", [(i, *c) for i, c in enumerate(cases(Collective.BROADCAST))]
 )

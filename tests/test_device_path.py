@@ -191,6 +191,42 @@ def test_in_place_and_on_an_explicit_stream(device):
         np.testing.assert_array_equal(result, expected)
 
 
+@pytest.mark.parametrize("algorithm", families_for(Collective.ALLGATHER))
+@pytest.mark.parametrize("nranks", RANKS)
+def test_allgather_and_reduce_scatter_in_place(device, algorithm, nranks):
+    """NCCL's in place on device arrays: AllGather's x is this rank's rows of out,
+    ReduceScatter's out is this rank's rows of x; uneven rows where the count does not
+    divide."""
+    for count in sizes(nranks):
+        _in_place_round(device, algorithm, nranks, count)
+
+
+def _in_place_round(device, algorithm, nranks, count):
+    dtype, op = pick(count + nranks)
+    counts = [count // nranks + (r < count % nranks) for r in range(nranks)]
+    starts = np.cumsum([0, *counts])
+    pieces = [exact_input(r, counts[r], dtype, op, count) for r in range(nranks)]
+    inputs = [exact_input(r, count, dtype, op, count) for r in range(nranks)]
+
+    def body(rank):
+        gathered = device_array(np.zeros(count, dtype))
+        mine = gathered[starts[rank]:starts[rank + 1]]
+        mine[...] = device_array(pieces[rank])
+        assert pycoll.allgather(mine, counts=counts, out=gathered,
+                                algorithm=algorithm) is gathered
+        x = device_array(inputs[rank])
+        shard = x[starts[rank]:starts[rank + 1]]
+        assert pycoll.reduce_scatter(x, op, counts=counts, out=shard,
+                                     algorithm=algorithm) is shard
+        device.synchronize()
+        return device_array(np.concatenate([host_array(gathered), host_array(shard)]))
+
+    expected = oracle.reduce_scatter(inputs, op, counts)
+    for rank, result in enumerate(on_device(device, nranks, body)):
+        np.testing.assert_array_equal(result[:count], oracle.allgather(pieces))
+        np.testing.assert_array_equal(result[count:], expected[rank])
+
+
 def test_stream_for_numpy_arrays_is_an_error():
     with pytest.raises(ValueError, match="stream=.*numpy arrays; allowed: None"):
         pycoll.allreduce(np.ones(3), stream=object())

@@ -47,6 +47,9 @@ BAD_CALLS = [
         ValueError,
         r"out is read-only",
     ),
+    ("out the wrong rows of x", lambda r: _next_ranks_rows(r), ValueError,
+     r"out overlaps x; allowed: separate arrays, or out as this rank's rows of x "
+     r"\(out = x\[\d:\d\], in place\)"),
     (
         "non-contiguous",
         lambda r: pycoll.allreduce(np.arange(16)[::2]),
@@ -134,6 +137,13 @@ BAD_CALLS = [
         r"len\(x\)=6 does not divide by the 4 ranks",
     ),
 ]
+
+
+def _next_ranks_rows(rank):
+    """An in-place ReduceScatter into the next rank's rows of x: not this rank's."""
+    x = X.copy()
+    start = (2 * rank + 2) % 8
+    return pycoll.reduce_scatter(x, out=x[start:start + 2])
 
 
 def _read_only():

@@ -82,6 +82,46 @@ def test_in_process_collectives_on_cupy_arrays(collective, nranks):
 
 
 @needs_gpu
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_allgather_and_reduce_scatter_in_place_on_cupy_arrays(nranks):
+    """NCCL's in place: AllGather's x is this rank's rows of out, ReduceScatter's out this
+    rank's rows of x (the copy of a block onto itself is skipped: CUDA's memcpy takes no
+    overlap)."""
+    import cupy
+    import numpy as np
+
+    for count in [1, nranks + 1, 1000, 1 << 20]:
+        counts = [count // nranks + (r < count % nranks) for r in range(nranks)]
+        starts = np.cumsum([0, *counts])
+        inputs = [exact_input(r, count, np.dtype(np.float32), "sum", count)
+                  for r in range(nranks)]
+        for algorithm in families_for(COLLECTIVES["allgather"]):
+            def call(rank, stream, algorithm=algorithm, inputs=inputs, counts=counts,
+                     starts=starts, count=count):
+                with stream:
+                    gathered = cupy.zeros(count, np.float32)
+                    gathered[starts[rank]:starts[rank + 1]] = cupy.asarray(
+                        inputs[rank][starts[rank]:starts[rank + 1]])
+                    x = cupy.asarray(inputs[rank])
+                mine = gathered[starts[rank]:starts[rank + 1]]
+                pycoll.allgather(mine, counts=counts, out=gathered, algorithm=algorithm,
+                                 stream=stream)
+                shard = x[starts[rank]:starts[rank + 1]]
+                pycoll.reduce_scatter(x, counts=counts, out=shard, algorithm=algorithm,
+                                      stream=stream)
+                with stream:
+                    return cupy.concatenate([gathered, shard])
+
+            pieces = [inputs[r][starts[r]:starts[r + 1]] for r in range(nranks)]
+            sums = oracle.reduce_scatter(inputs, "sum", counts)
+            for rank, got in enumerate(_on_gpu(nranks, call)):
+                np.testing.assert_array_equal(got[:count], oracle.allgather(pieces),
+                                              err_msg=f"allgather {algorithm} {count}")
+                np.testing.assert_array_equal(got[count:], sums[rank],
+                                              err_msg=f"reduce_scatter {algorithm} {count}")
+
+
+@needs_gpu
 def test_calls_alternating_between_two_streams_without_host_waits():
     """Each rank's calls alternate between two streams and nobody synchronises between
     them: a call is ordered after the previous one's reads of its inbox slots."""

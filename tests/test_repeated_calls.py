@@ -31,7 +31,7 @@ def _calls(nranks: int) -> list[tuple]:
         dtype = DTYPES[i % len(DTYPES)]
         for algorithm in ("auto", "ring"):
             for out in ("new", "given", "in place"):
-                if out == "in place" and name not in ("allreduce", "reduce", "alltoall"):
+                if out == "in place" and name == "broadcast":  # always in place
                     continue
                 calls.append((name, op, dtype, rows, algorithm, out))
     return calls
@@ -46,12 +46,17 @@ def _one(name, op, dtype, rows, algorithm, out, nranks, rank, seed):
         got = pycoll.allreduce(x, op, out=given, algorithm=algorithm)
         return got, oracle.allreduce(inputs, op).reshape(rows, 2), given is None or got is given
     if name == "reduce_scatter":
-        given = None if out == "new" else np.empty((rows // nranks, 2), dtype)
+        shard = rows // nranks
+        given = {"new": None, "given": np.empty((shard, 2), dtype),
+                 "in place": x[rank * shard:(rank + 1) * shard]}[out]  # NCCL's in place
         got = pycoll.reduce_scatter(x, op, out=given, algorithm=algorithm)
         piece = oracle.reduce_scatter(inputs, op)[rank].reshape(-1, 2)
         return got, piece, given is None or got is given
     if name == "allgather":
         given = None if out == "new" else np.empty((rows * nranks, 2), dtype)
+        if out == "in place":  # NCCL's: x is this rank's rows of out
+            x = given[rank * rows:(rank + 1) * rows]
+            x[...] = exact_input(rank, (rows, 2), dtype, op, seed)
         got = pycoll.allgather(x, out=given, algorithm=algorithm)
         return got, oracle.allgather(inputs).reshape(-1, 2), given is None or got is given
     if name == "alltoall":
@@ -129,7 +134,7 @@ def test_a_repeated_call_with_one_bad_argument_gets_the_first_calls_error(transp
             "out dtype": lambda: pycoll.allreduce(x, out=np.empty(8, np.float64)),
             "out shape": lambda: pycoll.reduce_scatter(x, out=np.empty(5, np.float32)),
             "out shape (alltoall)": lambda: pycoll.alltoall(x, out=np.empty(5, np.float32)),
-            "out holds x": lambda: pycoll.allgather(wide[:8], out=wide),
+            "out holds x": lambda: pycoll.allgather(wide[4:12], out=wide),  # no rank's rows
             "out partly x": lambda: pycoll.allreduce(wide[:8], out=wide[4:12]),
             "read-only out": lambda: pycoll.allreduce(x, out=frozen),
             "read-only x": lambda: pycoll.broadcast(frozen, 1),
@@ -163,6 +168,8 @@ def test_a_repeated_call_with_one_bad_argument_gets_the_first_calls_error(transp
     }
     for name, text in expected.items():
         assert text in first[0][name], (name, first[0][name])
+    for rank, errors in enumerate(first):  # where each rank's own rows would be
+        assert errors.pop("out holds x").endswith(f"x = out[{8 * rank}:{8 * rank + 8}], in place)")
     assert first[0] == first[1]
 
 

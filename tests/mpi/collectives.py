@@ -70,6 +70,11 @@ def check_reducing(index: int, count: int) -> None:
         label = f"reduce_scatter {algorithm} {np.dtype(dtype)} {op} n={count}"
         got = pycoll.reduce_scatter(x, op, counts=rows, algorithm=algorithm)
         case(label, got, oracle.reduce_scatter(xs, op, rows)[RANK])
+        mine = x.copy()  # in place, as NCCL's: out is this rank's rows of x
+        start = sum(rows[:RANK])
+        pycoll.reduce_scatter(mine, op, counts=rows, out=mine[start:start + rows[RANK]],
+                              algorithm=algorithm)
+        case(f"{label} in place", mine[start:start + rows[RANK]], got)
     for algorithm in [*families_for(Collective.REDUCE), "auto"]:
         label = f"reduce {algorithm} {np.dtype(dtype)} {op} root={root} n={count}"
         want = oracle.reduce(xs, op, root) if RANK == root else None
@@ -96,6 +101,12 @@ def check_moving(index: int, count: int) -> None:
     for algorithm in [*families_for(Collective.ALLGATHER), "auto"]:
         got = pycoll.allgather(shards[RANK], counts=rows, algorithm=algorithm)
         case(f"allgather {algorithm} n={count}", got, oracle.allgather(shards))
+        out = np.zeros_like(got)  # in place, as NCCL's: x is this rank's rows of out
+        start = sum(rows[:RANK])
+        out[start:start + rows[RANK]] = shards[RANK]
+        pycoll.allgather(out[start:start + rows[RANK]], counts=rows, out=out,
+                         algorithm=algorithm)
+        case(f"allgather {algorithm} n={count} in place", out, oracle.allgather(shards))
     full = inputs_for(count, dtype, "sum", index + 1)
     for algorithm in [*families_for(Collective.BROADCAST), "auto"]:
         got = pycoll.broadcast(full[RANK].copy(), root, algorithm=algorithm)
