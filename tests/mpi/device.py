@@ -95,6 +95,19 @@ for count in (0, 1, P + 1, 1000):
         got = pycoll.allgather(device_array(inputs[RANK]), algorithm=algorithm)
         device.synchronize()
         check(f"allgather {algorithm} {count}", host_array(got), oracle.allgather(inputs))
+    start, stop = sum(counts[:RANK]), sum(counts[: RANK + 1])
+    for algorithm in families_for(Collective.ALLGATHER):  # in place, as NCCL's
+        gathered = device_array(np.zeros(count, np.int32))
+        gathered[start:stop] = device_array(inputs[RANK][start:stop])
+        pycoll.allgather(gathered[start:stop], counts=counts, out=gathered, algorithm=algorithm)
+        x = device_array(inputs[RANK])
+        pycoll.reduce_scatter(x, counts=counts, out=x[start:stop], algorithm=algorithm)
+        device.synchronize()
+        check(f"allgather {algorithm} {count} in place", host_array(gathered),
+              np.concatenate([inputs[r][sum(counts[:r]):sum(counts[: r + 1])]
+                              for r in range(P)]))
+        check(f"reduce_scatter {algorithm} {count} in place", host_array(x[start:stop]),
+              oracle.reduce_scatter(inputs, "sum", counts)[RANK])
     got = pycoll.broadcast(device_array(inputs[RANK]), P - 1)
     device.synchronize()
     check(f"broadcast {count}", host_array(got), inputs[P - 1])
