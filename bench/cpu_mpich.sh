@@ -10,7 +10,7 @@ mkdir -p "$out"
 for run in $(seq 1 "$runs"); do
   for ranks in 2 4; do
     for collective in allreduce reduce_scatter allgather; do
-      mpiexec -n "$ranks" pycoll bench "$collective" -b 8 -e 256M -f 4 -n 10 -w 2 -c 1 \
+      mpiexec -n "$ranks" pycoll bench "$collective" -b 8 -e 256M -f 4 -n 10 -w 2 -c 1 --in-place 0 \
         -d float32 -o sum --algorithm all --against mpi \
         --json "$out/$collective-$ranks-run$run.json" > "$out/$collective-$ranks-run$run.txt"
       echo "run $run: $collective on $ranks ranks done" >&2

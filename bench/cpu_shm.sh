@@ -14,7 +14,7 @@ mkdir -p "$out"
 sweep() {  # setup ranks run extra-args...
   local setup=$1 ranks=$2 run=$3
   shift 3
-  mpiexec -n "$ranks" pycoll bench allreduce -b 8 -e 128M -f 4 -n 10 -w 2 -c 1 -d float32 \
+  mpiexec -n "$ranks" pycoll bench allreduce -b 8 -e 128M -f 4 -n 10 -w 2 -c 1 --in-place 0 -d float32 \
     -o sum --against mpi --roofline "$@" \
     --json "$out/$setup-$ranks-run$run.json" > "$out/$setup-$ranks-run$run.txt"
   echo "run $run: $setup on $ranks ranks done" >&2

@@ -138,7 +138,7 @@ def collective_section(folder: Path) -> list[str]:
             lines.append(f"| {collective}{label} | {ranks} | 0 | - | - | - | {said} |")
             continue
         checked = [r for r in rows if r["wrong"] is not None]  # None: run with --check 0
-        wrong = sum(r["wrong"] for r in checked)
+        wrong = sum(r["wrong"] + (r.get("in_place_wrong") or 0) for r in checked)
         total_wrong += wrong if in_bar else 0
         if in_bar and len(checked) < len(rows):
             unchecked.append(name)

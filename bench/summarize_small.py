@@ -25,7 +25,8 @@ def load(folder: Path) -> dict:
         for row in json.loads(path.read_text()):
             slowdowns[(transport, row["collective"], row["size"])][tree].append(
                 row["time_us"] / row["native_time_us"])
-            wrong += row["wrong"] or 0  # None: not checked (-c 0)
+            # None: not checked (-c 0), or not run in place (--in-place 0, an older tree)
+            wrong += (row["wrong"] or 0) + (row.get("in_place_wrong") or 0)
     return {"slowdowns": slowdowns, "wrong": wrong}
 
 

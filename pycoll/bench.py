@@ -11,6 +11,10 @@
   interleaved iteration by iteration with pycoll's, so both see the same machine.
 * ``--check`` runs each size once more on integer-valued data and counts the elements that
   differ from the numpy oracle (``#wrong``).
+* As nccl-tests, each size is timed and checked out of place, then in place (``--in-place 0``:
+  out of place only): AllReduce, Reduce and AllToAll with ``out=x``, AllGather with ``x`` this
+  rank's rows of ``out``, ReduceScatter with ``out`` this rank's rows of ``x``; Broadcast has
+  one form, in place, timed twice.
 """
 
 from __future__ import annotations
@@ -99,6 +103,17 @@ class Row:
     ratio: float | None = None
     roofline_pct: float | None = None  # of the memory roofline (--roofline)
     native_roofline_pct: float | None = None
+    # the same call in place (None: --in-place 0), as nccl-tests' second set of columns
+    in_place_time_us: float | None = None
+    in_place_algbw: float | None = None
+    in_place_busbw: float | None = None
+    in_place_wrong: int | None = None
+
+    def all_wrong(self) -> int | None:
+        """#wrong out of place and in place together (None: not checked)."""
+        if self.wrong is None:
+            return None
+        return self.wrong + (self.in_place_wrong or 0)
 
 
 @dataclass
@@ -119,6 +134,7 @@ class Options:
     # memory, sent without a copy); cuda: CuPy arrays on this rank's GPU
     device: str = "host"
     roofline: bool = False  # also report each row against the node's memory roofline
+    in_place: bool = True  # also time and check each call in place, as nccl-tests
 
 
 # nccl-tests' -d names where numpy reads them otherwise ("float" is float64 to numpy)
@@ -280,7 +296,7 @@ class _Case:
     """The buffers and calls for one (collective, size): pycoll's and the native one."""
 
     def __init__(self, options: Options, collective: Collective, dtype: np.dtype, size: int,
-                 comm: Communicator):
+                 comm: Communicator, in_place: bool = False):
         p = comm.size
         self.collective, self.dtype, self.comm = collective, dtype, comm
         self.op, self.root = options.op, options.root
@@ -288,8 +304,15 @@ class _Case:
         in_count = count // p if collective is Collective.ALLGATHER else count
         out_count = count // p if collective is Collective.REDUCE_SCATTER else count
         self.memory = _Memory(options.device, comm)
-        self.x = self.memory.zeros(in_count, dtype, "x")
-        self.out = self.memory.zeros(out_count, dtype, "out")
+        if not in_place:
+            self.x = self.memory.zeros(in_count, dtype, "x")
+            self.out = self.memory.zeros(out_count, dtype, "out")
+            return
+        # one array: x and out alike, or the smaller this rank's block of the larger
+        whole = self.memory.zeros(count, dtype, "in place")
+        block = whole[comm.rank * (count // p):(comm.rank + 1) * (count // p)]
+        self.x = block if collective is Collective.ALLGATHER else whole
+        self.out = block if collective is Collective.REDUCE_SCATTER else whole
 
     def fill_for_check(self) -> None:
         values = _check_values(self.comm.rank, self.comm.size, 0, self.x.size, self.op,
@@ -478,6 +501,39 @@ def barrier_of(comm: Communicator) -> Callable[[], None]:
 def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
     case = _Case(options, collective, dtype, size, comm)
     barrier = native.Barrier if native is not None else barrier_of(comm)
+    time_us, native_us = _time(case, algorithm, options, barrier, native)
+    wrong = _count_wrong(case, algorithm) if options.check else None
+    nbytes = case.count * dtype.itemsize
+    factor = bus_factor(collective, comm.size)
+    algbw = _algbw(nbytes, time_us)
+    # as nccl-tests prints them: redop "none" and root -1 where the collective has none
+    # count as nccl-tests': per rank where the array splits over the ranks
+    row = Row(options.collective, comm.size, nbytes,
+              case.count // comm.size if collective in SHARDED else case.count, dtype.name,
+              options.op if collective in REDUCING else "none",
+              options.root if collective in ROOTED else -1, algorithm, time_us, algbw,
+              algbw * factor, wrong)
+    if native_us is not None:
+        row.native_time_us = native_us
+        row.native_busbw = _algbw(nbytes, native_us) * factor
+        row.ratio = native_us / time_us if time_us > 0 else None
+    if options.in_place:
+        in_place = _Case(options, collective, dtype, size, comm, in_place=True)
+        row.in_place_time_us = _time(in_place, algorithm, options, barrier, None)[0]
+        row.in_place_algbw = _algbw(nbytes, row.in_place_time_us)
+        row.in_place_busbw = row.in_place_algbw * factor
+        row.in_place_wrong = _count_wrong(in_place, algorithm) if options.check else None
+    return row
+
+
+def _algbw(nbytes: int, time_us: float) -> float:
+    return nbytes / (time_us * 1e-6) / 1e9 if time_us > 0 else 0.0
+
+
+def _time(case: _Case, algorithm: str, options: Options, barrier: Callable[[], None],
+          native) -> tuple[float, float | None]:
+    """pycoll's median time in microseconds, and the native collective's (None without one),
+    interleaved iteration by iteration; each iteration's time is the slowest rank's."""
 
     def timed(call) -> float:
         barrier()
@@ -492,77 +548,84 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
         if iteration >= options.warmup:
             ours.append(mine)
             theirs.append(other)
-    # The slowest rank's time per iteration, then the median over iterations.
-    slowest = pycoll.allreduce(np.array(ours + theirs), "max", comm=comm)
+    slowest = pycoll.allreduce(np.array(ours + theirs), "max", comm=case.comm)
     time_us = float(np.median(slowest[: options.iters])) * 1e6
     native_us = float(np.median(slowest[options.iters:])) * 1e6 if native is not None else None
-
-    wrong = None
-    if options.check:
-        case.fill_for_check()
-        case.call(algorithm)
-        wrong = int(pycoll.allreduce(np.array([case.wrong()]), comm=comm)[0])
-
-    nbytes = case.count * dtype.itemsize
-    factor = bus_factor(collective, comm.size)
-    algbw = nbytes / (time_us * 1e-6) / 1e9 if time_us > 0 else 0.0
-    # as nccl-tests prints them: redop "none" and root -1 where the collective has none
-    # count as nccl-tests': per rank where the array splits over the ranks
-    row = Row(options.collective, comm.size, nbytes,
-              case.count // comm.size if collective in SHARDED else case.count, dtype.name,
-              options.op if collective in REDUCING else "none",
-              options.root if collective in ROOTED else -1, algorithm, time_us, algbw,
-              algbw * factor, wrong)
-    if native_us is not None:
-        native_algbw = nbytes / (native_us * 1e-6) / 1e9 if native_us > 0 else 0.0
-        row.native_time_us = native_us
-        row.native_busbw = native_algbw * factor
-        row.ratio = native_us / time_us if time_us > 0 else None
-    return row
+    return time_us, native_us
 
 
-# The table's columns: (name, width, the Row field, format); the native MPI ones with
-# --against, the roofline ones with --roofline (a missing value prints as 0).
+def _count_wrong(case: _Case, algorithm: str) -> int:
+    """One more call on the check data; elements wrong, summed over the ranks."""
+    case.fill_for_check()
+    case.call(algorithm)
+    return int(pycoll.allreduce(np.array([case.wrong()]), comm=case.comm)[0])
+
+
+# The table's columns: (name, width, the Row field, format); the in-place ones unless
+# --in-place 0, the native MPI ones with --against, the roofline ones with --roofline (a
+# missing value prints as 0).
 _COLUMNS = [("size(B)", 12, "size", ""), ("count", 11, "count", ""), ("type", 8, "type", ""),
             ("redop", 5, "redop", ""), ("root", 4, "root", ""),
-            ("algorithm", 17, "algorithm", ""), ("time(us)", 10, "time_us", ".1f"),
-            ("algbw(GB/s)", 11, "algbw", ".3f"), ("busbw(GB/s)", 11, "busbw", ".3f"),
-            ("#wrong", 6, "wrong", "")]
+            ("algorithm", 17, "algorithm", "")]
+_OUT_OF_PLACE = [("time(us)", 10, "time_us", ".1f"), ("algbw(GB/s)", 11, "algbw", ".3f"),
+                 ("busbw(GB/s)", 11, "busbw", ".3f"), ("#wrong", 6, "wrong", "")]
+_IN_PLACE = [(name, width, f"in_place_{field}", spec) for name, width, field, spec in
+             _OUT_OF_PLACE]
 _AGAINST = [("mpi(us)", 10, "native_time_us", ".1f"), ("mpi busbw", 9, "native_busbw", ".3f"),
             ("ratio", 6, "ratio", ".2f")]
 _ROOFLINE = [("roofline%", 9, "roofline_pct", ".1f")]
 _ROOFLINE_AGAINST = [("mpi roof%", 9, "native_roofline_pct", ".1f")]
 
 
-def _columns(against: bool, roofline: bool) -> list[tuple[str, int, str, str]]:
-    return (_COLUMNS + (_AGAINST if against else []) + (_ROOFLINE if roofline else [])
+def _columns(against: bool, roofline: bool, in_place: bool = False
+             ) -> list[tuple[str, int, str, str]]:
+    return (_COLUMNS + _OUT_OF_PLACE + (_IN_PLACE if in_place else [])
+            + (_AGAINST if against else []) + (_ROOFLINE if roofline else [])
             + (_ROOFLINE_AGAINST if roofline and against else []))
 
 
-def format_header(title: str, against: bool, roofline: bool) -> str:
-    """The table's title and column names (``against``: the native MPI columns)."""
-    head = " ".join(f"{name:>{width}}" for name, width, _, _ in _columns(against, roofline))
-    return f"# {title}\n#{head[1:]}"
+def format_header(title: str, against: bool, roofline: bool, in_place: bool = False) -> str:
+    """The table's title and column names (``against``: the native MPI columns; ``in_place``:
+    the in-place ones, under a line naming each set as nccl-tests does)."""
+    columns = _columns(against, roofline, in_place)
+    head = " ".join(f"{name:>{width}}" for name, width, _, _ in columns)
+    if not in_place:
+        return f"# {title}\n#{head[1:]}"
+
+    def span(group: list) -> int:  # the set's columns and the spaces between them
+        return sum(width + 1 for _, width, _, _ in group) - 1
+
+    lead = span(_COLUMNS) + 1
+    sets = (f"{'out-of-place':^{span(_OUT_OF_PLACE)}} {'in-place':^{span(_IN_PLACE)}}")
+    return f"# {title}\n#{' ' * (lead - 1)}{sets}".rstrip() + f"\n#{head[1:]}"
 
 
-def format_row(r: Row, against: bool, roofline: bool) -> str:
+def format_row(r: Row, against: bool, roofline: bool, in_place: bool = False) -> str:
     return " ".join(f"{_shown(r, field):>{width}{spec}}"
-                    for _, width, field, spec in _columns(against, roofline))
+                    for _, width, field, spec in _columns(against, roofline, in_place))
 
 
 def _shown(r: Row, field: str) -> object:
     value = getattr(r, field)
     if value is None:
-        return "N/A" if field == "wrong" else 0  # not checked; a column not measured
+        return "N/A" if field.endswith("wrong") else 0  # not checked; not measured
     return value
 
 
 def format_footer(rows: list[Row]) -> str:
-    checked = [r.wrong for r in rows if r.wrong is not None]
+    """#wrong over every row, and the mean busbw over every row and set (nccl-tests' 'Avg bus
+    bandwidth', which scripts read)."""
+    checked = [r.all_wrong() for r in rows if r.wrong is not None]
     if not checked:
-        return "# out of bounds values: not checked (-c 0)"
-    wrong = sum(checked)
-    return f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}"
+        lines = ["# out of bounds values: not checked (-c 0)"]
+    else:
+        wrong = sum(checked)
+        lines = [f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}"]
+    busbw = [r.busbw for r in rows] + [r.in_place_busbw for r in rows
+                                       if r.in_place_busbw is not None]
+    if busbw:
+        lines.append(f"# Avg bus bandwidth    : {sum(busbw) / len(busbw):g}")
+    return "\n".join(lines)
 
 
 def write_json(rows: list[Row], path: str) -> None:
@@ -614,8 +677,10 @@ class RowStream:
     written once, by ``close``). ``close`` prints the footer."""
 
     def __init__(self, title: str, against: bool, roofline: bool, json_path: str | None = None,
-                 csv_path: str | None = None, out: TextIO | None = None) -> None:
-        self.title, self.against, self.roofline = title, against, roofline
+                 csv_path: str | None = None, out: TextIO | None = None,
+                 in_place: bool = False) -> None:
+        self.title = title
+        self.columns = (against, roofline, in_place)
         self.json_path, self.csv_path, self.out = json_path, csv_path, out
         self.rows: list[Row] = []
 
@@ -624,9 +689,9 @@ class RowStream:
 
     def __call__(self, row: Row) -> None:
         if not self.rows:
-            self._print(format_header(self.title, self.against, self.roofline))
+            self._print(format_header(self.title, *self.columns))
         self.rows.append(row)
-        self._print(format_row(row, self.against, self.roofline))
+        self._print(format_row(row, *self.columns))
         if self.json_path not in (None, "-"):
             write_json(self.rows, self.json_path)
         if self.csv_path not in (None, "-"):
@@ -635,7 +700,7 @@ class RowStream:
     def close(self, rows: list[Row]) -> None:
         """After the run: the footer, and the files for '-'."""
         if not self.rows:
-            self._print(format_header(self.title, self.against, self.roofline))
+            self._print(format_header(self.title, *self.columns))
         self._print(format_footer(rows))
         if self.json_path == "-":
             write_json(rows, "-")

@@ -251,8 +251,9 @@ def test_rows_are_printed_and_saved_as_they_are_measured(monkeypatch, capsys, tm
     printed = capsys.readouterr()
     assert code == 2 and "stopped" in printed.err
     lines = printed.out.splitlines()
-    assert lines[0].startswith("# pycoll bench allreduce: 2 ranks") and "#wrong" in lines[1]
-    assert [line.split()[0] for line in lines[2:]] == ["8", "32"]
+    assert lines[0].startswith("# pycoll bench allreduce: 2 ranks")
+    assert lines[1].split() == ["#", "out-of-place", "in-place"] and "#wrong" in lines[2]
+    assert [line.split()[0] for line in lines[3:]] == ["8", "32"]
     assert [r["size"] for r in json.loads(out.read_text())] == [8, 32]
     assert len(csv.read_text().splitlines()) == 1 + 2
     assert not list(tmp_path.glob("*.tmp"))
@@ -307,8 +308,11 @@ def test_json_to_stdout_is_written_once_and_the_table_goes_to_stderr(capsys):
     printed = capsys.readouterr()
     rows = json.loads(printed.out)
     assert [r["size"] for r in rows] == [24, 96] and all(r["wrong"] == 0 for r in rows)
-    assert printed.err.count("#wrong") == 1
-    assert printed.err.rstrip().endswith("# out of bounds values: 0 OK")
+    assert printed.err.count("# pycoll bench") == 1  # one header: out of place, in place
+    assert printed.err.count("#wrong") == 2
+    *_, checked, mean = printed.err.rstrip().splitlines()
+    assert checked == "# out of bounds values: 0 OK"
+    assert mean.startswith("# Avg bus bandwidth    : ")
 
 
 def _blocks_rotated(call):
@@ -483,3 +487,65 @@ def test_count_is_per_rank_where_nccl_tests_prints_it_so(capsys, collective, cou
                  "-w", "0", "--json", "-"]) == 0
     row = json.loads(capsys.readouterr().out)[0]
     assert (row["size"], row["count"]) == (32, count)
+
+
+@pytest.mark.parametrize("collective", list(bench.COLLECTIVES))
+def test_each_size_is_timed_and_checked_in_place_too(capsys, collective):
+    """As nccl-tests' second set of columns: the same call in place (AllGather's x this rank's
+    rows of out, ReduceScatter's out this rank's rows of x, the others out=x)."""
+    assert main(["bench", collective, "--ranks", "3", "-b", "12", "-e", "1K", "-f", "8",
+                 "-n", "2", "-w", "1", "--json", "-"]) == 0
+    printed = capsys.readouterr()
+    rows = json.loads(printed.out)
+    factor = bench.bus_factor(bench.COLLECTIVES[collective], 3)
+    assert len(rows) == 3
+    for row in rows:
+        assert row["in_place_wrong"] == 0 and row["in_place_time_us"] > 0
+        assert row["in_place_algbw"] == pytest.approx(row["size"] / row["in_place_time_us"]
+                                                      / 1e3)
+        assert row["in_place_busbw"] == pytest.approx(row["in_place_algbw"] * factor)
+    assert "in-place" in printed.err
+
+
+def test_in_place_0_times_out_of_place_only(capsys):
+    assert main(["bench", "allgather", "--ranks", "2", "-b", "8", "-e", "8", "-n", "1",
+                 "-w", "0", "--in-place", "0", "--json", "-"]) == 0
+    printed = capsys.readouterr()
+    row = json.loads(printed.out)[0]
+    assert row["wrong"] == 0 and row["in_place_time_us"] is None
+    assert row["in_place_wrong"] is None and "in-place" not in printed.err
+
+
+@pytest.mark.parametrize("collective", ["allgather", "reduce_scatter", "allreduce"])
+def test_the_in_place_check_counts_what_only_the_in_place_call_gets_wrong(
+        monkeypatch, capsys, collective):
+    """A call wrong in place alone: out of place 0 wrong, in place one per rank, exit 1."""
+    import numpy as np
+
+    real = getattr(pycoll, collective)
+
+    def wrong_in_place(x, *args, out=None, **kwargs):
+        result = real(x, *args, out=out, **kwargs)
+        if out is not None and np.shares_memory(x, out):
+            out.reshape(-1)[0] += 1
+        return result
+
+    monkeypatch.setattr(pycoll, collective, wrong_in_place)
+    assert main(["bench", collective, "--ranks", "3", "-b", "96", "-e", "96", "-n", "1",
+                 "-w", "0", "--json", "-"]) == 1
+    printed = capsys.readouterr()
+    row = json.loads(printed.out)[0]
+    assert (row["wrong"], row["in_place_wrong"]) == (0, 3)
+    assert "# out of bounds values: 3 FAILED" in printed.err
+
+
+def test_the_mean_bus_bandwidth_counts_every_row_in_both_sets():
+    """nccl-tests' '# Avg bus bandwidth', which scripts read: the mean over every busbw
+    printed, out of place and in place."""
+    rows = [bench.Row("allreduce", 2, 8, 2, "float32", "sum", -1, "ring", 1.0, 1.0, busbw,
+                      0, in_place_busbw=in_place, in_place_wrong=0)
+            for busbw, in_place in [(1.0, 2.0), (3.0, 6.0)]]
+    assert bench.format_footer(rows).splitlines() == [
+        "# out of bounds values: 0 OK", "# Avg bus bandwidth    : 3"]
+    rows[1].in_place_busbw = None  # --in-place 0
+    assert bench.format_footer(rows).splitlines()[1] == "# Avg bus bandwidth    : 2"
