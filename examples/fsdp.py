@@ -7,8 +7,9 @@ full layer is dropped again after use (gathered again for backward), so a rank h
 layer at a time. Each rank then has gradient contributions from its own local batch for every
 parameter of the layer, but updates only its shard, so it needs only its shard of the summed
 gradient: ReduceScatter. An AllReduce would also deliver the other owners' positions, which
-this rank would throw away. After the step each rank owns its updated shard; the next gather
-reconstructs the updated parameters.
+this rank would throw away. The ReduceScatter runs in place, as NCCL's: the summed shard lands
+in this rank's rows of the local gradient, so it holds no array of its own. After the step
+each rank owns its updated shard; the next gather reconstructs the updated parameters.
 
 First the seed's scalar example, exactly: four scalar parameters [10, 20, 30, 40], owned one
 per rank at 4 ranks (split as evenly as the rank count allows otherwise); four local batches
@@ -131,11 +132,14 @@ def train_fsdp(kind: str, ledger: Ledger) -> list[np.ndarray]:
             grads, grad_out = mlp.layer_backward(layer, caches[index], grad_out)
             flat_grad = mlp.flatten([grads])
             ledger.hold(flat_grad)
-            mine = pycoll.reduce_scatter(flat_grad, "sum", counts=counts[index]) / sum(sizes)
-            ledger.hold(mine)
-            ledger.release(full, flat_grad)
+            # in place, as NCCL's: the summed shard lands in this rank's rows of flat_grad
+            first, last = offsets(counts[index])[comm.rank : comm.rank + 2]
+            mine = pycoll.reduce_scatter(flat_grad, "sum", counts=counts[index],
+                                         out=flat_grad[first:last])
+            mine /= sum(sizes)
+            ledger.release(full)
             optimizers[index].step(shards[index], mine)
-            ledger.release(mine)
+            ledger.release(flat_grad)
     return [pycoll.allgather(shard, counts=c) for shard, c in zip(shards, counts)]
 
 
