@@ -13,6 +13,13 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def wrong_of(row: dict) -> int | None:
+    """A JSON row's #wrong over both sets, out of place and in place (None: not checked)."""
+    if row["wrong"] is None:
+        return None
+    return row["wrong"] + (row.get("in_place_wrong") or 0)  # None: run with --in-place 0
+
+
 def load(folder: Path) -> dict:
     """(collective, ranks) -> size -> algorithm -> list of (time_us, native_us, wrong)."""
     table: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
@@ -23,7 +30,7 @@ def load(folder: Path) -> dict:
                          "against them: run `pycoll bench --against mpi` under mpiexec")
             key = (row["collective"], row["nranks"])
             table[key][row["size"]][row["algorithm"]].append(
-                (row["time_us"], row["native_time_us"], row["wrong"], row["busbw"],
+                (row["time_us"], row["native_time_us"], wrong_of(row), row["busbw"],
                  row["native_busbw"])
             )
     return table

@@ -14,6 +14,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from summarize import wrong_of
+
 SETUPS = ("mpi", "shm", "shared")
 
 
@@ -81,7 +83,7 @@ def main(folder: str) -> None:
                 cells.append("-" if value is None else f"{value:.2f}")
             shared_roof = roof("shared", "two_shot")
             cells.append("-" if shared_roof is None else f"{shared_roof:.0f}%")
-            cells.append(str(sum(r["wrong"] or 0 for r in natives)))  # None: not checked
+            cells.append(str(sum(wrong_of(r) or 0 for r in natives)))  # None: not checked
             print("| " + " | ".join(cells) + " |")
             shm_ratio = ratio("shm", "auto")
             if size >= 1 << 20 and shm_ratio < 2:

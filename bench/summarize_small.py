@@ -13,7 +13,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from summarize import human
+from summarize import human, wrong_of
 
 
 def load(folder: Path) -> dict:
@@ -25,8 +25,7 @@ def load(folder: Path) -> dict:
         for row in json.loads(path.read_text()):
             slowdowns[(transport, row["collective"], row["size"])][tree].append(
                 row["time_us"] / row["native_time_us"])
-            # None: not checked (-c 0), or not run in place (--in-place 0, an older tree)
-            wrong += (row["wrong"] or 0) + (row.get("in_place_wrong") or 0)
+            wrong += wrong_of(row) or 0  # None: not checked (-c 0)
     return {"slowdowns": slowdowns, "wrong": wrong}
 
 

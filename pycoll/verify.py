@@ -6,9 +6,10 @@ call and its result after; the inputs travel to every rank as raw bytes, posted 
 the host transport (no schedule, executor or reduction of pycoll's in between, so a bug there
 cannot copy itself into the check); every rank compares its own result with what
 :mod:`pycoll.oracle` computes from all the inputs, and that it left its input alone where the
-call was not in place; and the ranks exchange verdicts, so a wrong result anywhere raises the
-same :class:`VerificationError` on every rank (none is left waiting), naming the ranks, how
-many elements differ and the first.
+call was not in place (in-place ReduceScatter: x's rows other than its result); and the
+ranks exchange verdicts, so a wrong result anywhere raises the same
+:class:`VerificationError` on every rank (none is left waiting), naming the ranks, how many
+elements differ and the first.
 
 Integers, min and max, and every collective that only moves data must match exactly (copies
 bit for bit). Sums, averages and products of floats may differ from the oracle, which
@@ -163,9 +164,11 @@ def _check(name: str, comm: Any, arguments: dict, mine: np.ndarray, result: Any,
         size = 0 if result is None else int(result.size)
         verdict, local, wrong, first = _compare(name, comm, arguments, inputs, send_counts,
                                                 result, space, stream)
-        if verdict == _OK and not _in_place(name, arguments["x"], result, space):
+        written = _written_input(name, arguments["x"], result, space)
+        if verdict == _OK and written != slice(None):
             after = _to_host(space, arguments["x"], stream)
             changed, _ = _differs(after, mine, None, None, comm.size)
+            changed[written] = False
             if changed.any():
                 verdict, wrong, first = _WROTE_INPUT, int(changed.sum()), int(np.argmax(changed))
                 local = (f"the call changed its input x (not given in place): index {first} "
@@ -202,8 +205,15 @@ def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = 
     return [g.view(mine.dtype) for g in got]
 
 
-def _in_place(name: str, x: Any, result: Any, space: Any) -> bool:
-    return name == "broadcast" or (result is not None and space.may_share_memory(result, x))
+def _written_input(name: str, x: Any, result: Any, space: Any) -> slice:
+    """The elements of flat ``x`` the call may write: none out of place; the result's own
+    rows of an in-place ReduceScatter (the rest must be left as they were); else all."""
+    if name != "broadcast" and (result is None or not space.may_share_memory(result, x)):
+        return slice(0, 0)
+    if name == "reduce_scatter" and result.size < x.size:
+        start = (space.address(result) - space.address(x)) // x.itemsize
+        return slice(start, start + result.size)
+    return slice(None)
 
 
 def _compare(name: str, comm: Any, arguments: dict, inputs: list[np.ndarray],

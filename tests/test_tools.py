@@ -184,22 +184,25 @@ def test_the_soak_fails_its_run_on_a_wrong_result(monkeypatch, capsys):
         soak["main"]()
 
 
+def _summarize(folder, row) -> subprocess.CompletedProcess:
+    (folder / "run.json").write_text(json.dumps([row]))
+    return subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" /
+                                               "summarize.py"), str(folder)],
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_summarize_names_rows_without_native_times(tmp_path):
     row = {"collective": "allreduce", "nranks": 2, "size": 8, "algorithm": "auto",
            "time_us": 1.0, "native_time_us": None, "wrong": 0, "busbw": 1.0,
            "native_busbw": None}
-    (tmp_path / "run.json").write_text(json.dumps([row]))
-    done = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" /
-                                               "summarize.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+    done = _summarize(tmp_path, row)
     assert done.returncode == 1 and "run pycoll bench --against mpi" in done.stderr.replace(
         "`", "")
     row |= {"native_time_us": 2.0, "native_busbw": 0.5}  # auto alone: no "best" to name
-    (tmp_path / "run.json").write_text(json.dumps([row]))
-    done = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" /
-                                               "summarize.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+    done = _summarize(tmp_path, row)
     assert done.returncode == 0 and "| 8 B | 1.000 | 0.500 | - | - | 2.00 | 0 |" in done.stdout
+    row |= {"in_place_wrong": 3}  # a default run's in-place set counts too
+    assert "| 8 B | 1.000 | 0.500 | - | - | 2.00 | 3 |" in _summarize(tmp_path, row).stdout
 
 
 def test_tune_below_the_curves_sizes_writes_no_empty_curve(tmp_path, capsys):

@@ -442,6 +442,28 @@ def test_a_call_that_writes_its_input_is_caught(monkeypatch):
     assert errors_on_every_rank(3, in_place) == ["no error"] * 3
 
 
+def test_an_in_place_reduce_scatter_writing_other_rows_of_x_is_caught(monkeypatch):
+    """In place, out is this rank's rows of x and the rest of x must be left as it was: the
+    check compares those rows (it skipped every row of an in-place call)."""
+    real = api._reduce_scatter
+
+    def write_other_rows(comm, x, out, *args, **kwargs):
+        how = real(comm, x, out, *args, **kwargs)
+        if comm.rank == 2:
+            x.reshape(-1)[0] = -1  # rank 2's own rows are 4:6
+        return how
+
+    def in_place(rank):
+        x = np.arange(6, dtype=np.int64)
+        return pycoll.reduce_scatter(x, out=x[2 * rank:2 * rank + 2], algorithm="ring")
+
+    assert errors_on_every_rank(3, in_place) == ["no error"] * 3
+    monkeypatch.setattr(api, "_reduce_scatter", write_other_rows)
+    said = errors_on_every_rank(3, in_place)
+    assert all("rank 2 changed 1 elements of its input x, the first at index 0" in t
+               for t in said), said
+
+
 def test_a_check_that_fails_is_said_as_such_on_every_rank(monkeypatch):
     real_compare = verify._compare
 
@@ -461,7 +483,7 @@ def test_a_failure_of_the_input_check_is_said_too(monkeypatch):
     def broken(*args):
         raise RuntimeError("input check broke")
 
-    monkeypatch.setattr(verify, "_in_place", broken)
+    monkeypatch.setattr(verify, "_written_input", broken)
     said = errors_on_every_rank(2, lambda rank: pycoll.allreduce(np.arange(3)))
     assert all("could not be verified on rank(s) 0, 1" in t for t in said), said
 
