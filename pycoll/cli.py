@@ -460,7 +460,12 @@ def _tune(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-bytes={args.max_bytes!r} leaves {len(sizes)} size(s) of "
                              f"{tune.STEP_SIZES[:2]} to fit; allowed: {tune.STEP_SIZES[1]} "
                              "bytes or more")
-        _writable(args.output, "--output", makes_folders=True, stdout=False)  # before measuring
+        from pycoll import model
+
+        # before measuring: where it will write, whether named or not
+        _writable(args.output or str(model.tuning_path()),
+                  "--output" if args.output else f"the tuning file (${model.TUNING_ENV}, else the "
+                  "cache folder)", makes_folders=True, stdout=False)
     except (ValueError, OSError) as error:
         bad = error
     else:

@@ -26,12 +26,14 @@ One step of a rank costs (the LogGP-style model of Thakur, Rabenseifner & Gropp 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -467,9 +469,27 @@ def tuning_path() -> Path:
     return Path(cache) / "pycoll" / "tuning.json"
 
 
+_FILE_SET_ASIDE = False  # within tuning_file_set_aside()
+
+
+@contextlib.contextmanager
+def tuning_file_set_aside() -> Iterator[None]:
+    """Within: the tuning file reads as absent where no path is given (the calls' own costs),
+    so that `pycoll tune` measures with the default costs, and can rewrite a file that is
+    unreadable (which it is told to do), rather than fail on reading it."""
+    global _FILE_SET_ASIDE
+    saved, _FILE_SET_ASIDE = _FILE_SET_ASIDE, True
+    try:
+        yield
+    finally:
+        _FILE_SET_ASIDE = saved
+
+
 def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
     """The tuned topologies of this machine by kind of transport ("local", "mpi", "shm", "cuda"),
     one per rank count tuned at; empty when there is no tuning file."""
+    if path is None and _FILE_SET_ASIDE:
+        return {}
     path = tuning_path() if path is None else path
     if not path.exists():
         return {}

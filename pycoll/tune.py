@@ -248,18 +248,20 @@ def tune(path=None, repeats: int = 15, sizes: list[int] | None = None,
     host transport (shared memory on one node, else MPI) at its rank count, in-process
     threads at each of ``local_ranks``."""
     results = []
-    world = pycoll.world()
-    if world.mpi_comm is not None and world.size > 1:
-        tuned = tune_comm(world, world.host_kind(), repeats, sizes, local_sizes)
-        if tuned is not None:
-            results.append(tuned)
+    with model.tuning_file_set_aside():
+        world = pycoll.world()
+        if world.mpi_comm is not None and world.size > 1:
+            tuned = tune_comm(world, world.host_kind(), repeats, sizes, local_sizes)
+            if tuned is not None:
+                results.append(tuned)
+        if world.rank == 0:
+            for nranks in local_ranks:
+                local = pycoll.run_local(
+                    nranks,
+                    lambda: tune_comm(pycoll.world(), "local", repeats, sizes, local_sizes),
+                )
+                results.append(local[0])
     if world.rank == 0:
-        for nranks in local_ranks:
-            local = pycoll.run_local(
-                nranks,
-                lambda: tune_comm(pycoll.world(), "local", repeats, sizes, local_sizes),
-            )
-            results.append(local[0])
         written = model.save_tuning(
             [(t.kind, t.topology) for t in results], path,
             fits={f"{t.kind}@{t.topology.nranks}": {f.name: f.to_json() for f in t.fits}

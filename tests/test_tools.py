@@ -230,6 +230,23 @@ def test_tune_rewrites_a_tuning_file_it_cannot_read(tmp_path, capsys):
     assert "writing a new one" in capsys.readouterr().err
 
 
+def test_the_tune_command_rewrites_an_unreadable_default_file(tmp_path, capsys, monkeypatch):
+    """`pycoll tune` is what the unreadable file's error says to run: its measurements read
+    the file too (each call's costs) and it stopped there, whatever --output said. It
+    measures with the default costs and writes the file afresh."""
+    path = tmp_path / "tuning.json"
+    path.write_text("{ not json")
+    monkeypatch.setenv("PYCOLL_TUNING", str(path))
+    assert main(["tune", "--repeats", "1", "-e", "4K", "--ranks", "2"]) == 0
+    assert "writing a new one" in capsys.readouterr().err
+    assert [t.nranks for t in model.load_tuning(path)["local"]] == [2]
+    monkeypatch.setenv("PYCOLL_TUNING", str(tmp_path))  # a folder: refused before measuring
+    monkeypatch.setattr(tune, "tune", lambda *args, **kwargs: pytest.fail("measured"))
+    assert main(["tune", "--repeats", "1"]) == 2
+    assert (f"the tuning file ($PYCOLL_TUNING, else the cache folder) {tmp_path}: cannot "
+            "write a file there") in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,says", [
     (["-e", "8"], "--max-bytes='8' leaves 1 size(s) of [8, 64] to fit; allowed: 64 bytes"),
     (["-e", "4"], "--max-bytes='4' leaves 0 size(s)"),
