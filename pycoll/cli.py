@@ -336,9 +336,12 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
                 c for c in bench.COLLECTIVES if c != "alltoall"))
         bench.validate(options)
         _ranks_flag(args.ranks)
-        if args.output is not None:  # two files: PREFIX.md and PREFIX.png
-            _writable(args.output, "--output", stdout=False)
-            _writable(f"{args.output}.md", "--output")
+        if args.output in ("", "-"):  # "" would name the current folder
+            raise ValueError(f"--output {args.output!r}: not a file; allowed: a file path")
+        nranks = args.ranks if args.ranks is not None else pycoll.world().size
+        for suffix in (".md", ".png"):  # the two files it writes (no --output: here)
+            _writable(f"{args.output or f'compare-{args.collective}-{nranks}'}{suffix}",
+                      "--output" if args.output else "without --output,", stdout=False)
     except (ValueError, TypeError) as error:
         bad = error
     else:
@@ -367,19 +370,28 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
     if result.where == "MPI":
         words = ["mpiexec", "-n", str(result.nranks), *words]
     result.command = " ".join(words)
-    prefix = args.output or f"compare-{args.collective}-{result.nranks}"
+    prefix = args.output or f"compare-{args.collective}-{nranks}"
     text = result.markdown().replace("# ", "# pycoll compare: ", 1)
     print(text, flush=True)
     try:
-        compare.plot(result, f"{prefix}.png")
-        link = f"\n![busbw against size]({prefix.rsplit('/', 1)[-1]}.png)\n"
-        wrote = f" and {prefix}.png"
-    except ImportError:  # matplotlib is an extra: the table stands without its plot
-        link, wrote = "", " (no plot: matplotlib is not installed; pip install 'pycoll[plot]')"
-    with open(f"{prefix}.md", "w") as f:
-        f.write(text + "\n" + link)
+        try:
+            compare.plot(result, f"{prefix}.png")
+            link = f"\n![busbw against size]({prefix.rsplit('/', 1)[-1]}.png)\n"
+            wrote = f" and {prefix}.png"
+        except ImportError:  # matplotlib is an extra: the table stands without its plot
+            link, wrote = "", " (no plot: matplotlib is not installed; pip install 'pycoll[plot]')"
+        with open(f"{prefix}.md", "w") as f:
+            f.write(text + "\n" + link)
+    except OSError as error:  # the folder changed since it was checked
+        print(f"pycoll compare: {error}", file=sys.stderr)
+        return 2
     print(f"wrote {prefix}.md{wrote}")
     return 0 if all(sum(p.wrong.values()) == 0 for p in result.points) else 1
+
+
+# pycoll model's largest rank count: pricing a size there takes about a minute (its time and
+# memory grow with the ranks; 10**11 ranks filled memory without a word)
+MODEL_MAX_RANKS = 1 << 16
 
 
 def _model(args: argparse.Namespace) -> int:
@@ -397,8 +409,9 @@ def _model(args: argparse.Namespace) -> int:
             ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
         except ValueError:
             ranks = []
-        if not ranks or any(r < 1 for r in ranks):
-            raise ValueError(f"--ranks={args.ranks!r}; allowed: comma-separated ints >= 1")
+        if not ranks or any(not 1 <= r <= MODEL_MAX_RANKS for r in ranks):
+            raise ValueError(f"--ranks={args.ranks!r}; allowed: comma-separated ints from 1 "
+                             f"to {MODEL_MAX_RANKS}")
         topology = scaling.topology_named(args.topology)
         itemsize = np.dtype(check_dtype(args.dtype)).itemsize
         sizes = bench.sizes(bench.parse_size(args.min_bytes, "--min-bytes"),

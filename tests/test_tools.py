@@ -64,6 +64,22 @@ def test_compare_without_matplotlib_keeps_its_table(tmp_path, capsys, monkeypatc
     assert not (tmp_path / "cmp.png").exists()
 
 
+def test_compare_checks_both_files_it_writes_before_measuring(tmp_path, capsys, monkeypatch):
+    """PREFIX.png too (a folder there failed after measuring, with a traceback); and PREFIX
+    itself may be a folder (the files are PREFIX.md and PREFIX.png beside it)."""
+    (tmp_path / "cmp.png").mkdir()
+    args = ["compare", "allreduce", "--ranks", "2", "-b", "8", "-e", "8", "-n", "1", "-w", "0"]
+    assert main([*args, "--output", str(tmp_path / "cmp")]) == 2
+    assert f"--output {tmp_path}/cmp.png: cannot write a file there" in capsys.readouterr().err
+    assert main([*args, "--output", str(tmp_path)]) == 0
+    assert (tmp_path.parent / f"{tmp_path.name}.md").exists()
+    monkeypatch.chdir(tmp_path / "cmp.png")  # no --output: the current folder's files
+    (tmp_path / "cmp.png" / "compare-allreduce-2.md").mkdir()
+    assert main(args) == 2
+    assert ("without --output, compare-allreduce-2.md: cannot write a file there"
+            in capsys.readouterr().err)
+
+
 def test_compare_measures_each_element_count_once(tmp_path, capsys):
     """1 B and 2 B of float32 are both 0 elements: one 0 B row, not two."""
     assert main(["compare", "allreduce", "--ranks", "2", "-b", "1", "-e", "8", "-n", "1",
@@ -81,6 +97,9 @@ def test_compare_measures_each_element_count_once(tmp_path, capsys):
     (["model", "--ranks", "2", "-b", "1", "-e", "8"], "sweep no whole element of float32"),
     (["model", "--ranks", "2", "-b", "4", "-e", "4", "-d", "float64"], "(8 B)"),
     (["model", "--ranks", "0"], "--ranks='0'"),
+    # it priced on until memory ran out, without a word
+    (["model", "--ranks", "8,99999999999"], "--ranks='8,99999999999'; allowed: comma-separated "
+                                            "ints from 1 to 65536"),
     (["explain", "allreduce", "--ranks", "65"], "--ranks=65 is invalid; allowed: an int in 1..64"),
     (["model", "--topology", "moon"], "neither a built-in topology nor a file"),
     (["model", "gather"], "collective='gather'"),
