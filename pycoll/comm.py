@@ -210,7 +210,8 @@ class Communicator:
         ``PYCOLL_RANKS_PER_NODE`` consecutive ranks per node (in-process: one node unless
         set; under MPI it overrides the discovery, to simulate nodes on one machine)."""
         if self._nodes is None:
-            if self.mpi_comm is not None and not os.environ.get("PYCOLL_RANKS_PER_NODE"):
+            if self.mpi_comm is not None and not os.environ.get("PYCOLL_RANKS_PER_NODE",
+                                                                "").strip():
                 self._nodes = node_of_each_rank(self.mpi_comm)
             else:
                 per_node = _ranks_per_node(self.size)
@@ -693,7 +694,7 @@ def _device_transport_mode() -> str:
 
 
 def _ranks_per_node(size: int) -> int:
-    text = os.environ.get("PYCOLL_RANKS_PER_NODE", "")
+    text = os.environ.get("PYCOLL_RANKS_PER_NODE", "").strip()  # as every setting's spaces
     if not text:
         return size
     if not (text.isascii() and text.isdigit()) or int(text) < 1:  # isdigit() takes '²'

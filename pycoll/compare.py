@@ -61,8 +61,11 @@ class Comparison:
     def prediction_error(self, point: Point, algorithm: str) -> float:
         return point.predicted_us[algorithm] / point.measured_us[algorithm] - 1
 
-    def worst_auto_gap(self) -> float:
-        return max(self.auto_gap(p) for p in self.points)
+    def worst_auto_gap(self) -> float | None:
+        """Over the sizes that move data (None: no such size); an empty call times only
+        each path's fixed cost, which the bar is not about."""
+        gaps = [self.auto_gap(p) for p in self.points if p.size > 0]
+        return max(gaps) if gaps else None
 
     def worst_prediction_error(self, from_bytes: int = BAND_BYTES) -> float:
         errors = [abs(self.prediction_error(p, a)) for p in self.points if p.size >= from_bytes
@@ -94,8 +97,11 @@ class Comparison:
             )
         lines += [
             "",
-            f"- auto's measured time, worst over sizes, against the fastest family: "
-            f"{self.worst_auto_gap():+.0%} (bar: within +10%).",
+            f"- auto's measured time, worst over sizes that move data, against the fastest "
+            f"family: {self.worst_auto_gap():+.0%} (bar: within +10%)."
+            if self.worst_auto_gap() is not None else
+            "- auto's measured time against the fastest family: no size that moves data was "
+            "measured.",
             f"- model against measurement at ≥ {_size(BAND_BYTES)}, worst over sizes and "
             f"algorithms: ±{self.worst_prediction_error():.0%} (bar: ±30%)."
             if any(p.size >= BAND_BYTES for p in self.points) else

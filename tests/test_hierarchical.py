@@ -204,6 +204,10 @@ def test_nodes_of_the_in_process_world(monkeypatch):
     assert pycoll.run_local(6, lambda: pycoll.world().nodes()) == [[0, 0, 1, 1, 2, 2]] * 6
     assert set(pycoll.run_local(6, lambda: pycoll.world().ranks_per_node)) == {2}
     assert set(pycoll.run_local(5, lambda: pycoll.world().ranks_per_node)) == {0}  # unequal
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", " 2 ")  # spaces, as PYCOLL_SEGMENTS takes them
+    assert pycoll.run_local(4, lambda: pycoll.world().nodes()) == [[0, 0, 1, 1]] * 4
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", " ")
+    assert set(pycoll.run_local(4, lambda: pycoll.world().ranks_per_node)) == {0}  # one node
     monkeypatch.delenv("PYCOLL_RANKS_PER_NODE")
     assert set(pycoll.run_local(4, lambda: pycoll.world().ranks_per_node)) == {0}  # one node
 

@@ -80,6 +80,23 @@ def test_compare_checks_both_files_it_writes_before_measuring(tmp_path, capsys, 
             in capsys.readouterr().err)
 
 
+def test_compares_verdict_on_auto_leaves_out_calls_that_move_nothing():
+    """A 0 B row times each path's fixed cost alone: it set the verdict's worst gap
+    (+297%, +1060% in runs), though the bar is about moving data."""
+    from pycoll import compare
+
+    def point(size, auto_us):
+        return compare.Point(size, {"ring": 10.0, "auto": auto_us}, {"ring": 1.0, "auto": 1.0},
+                             {"ring": 0, "auto": 0}, "ring")
+
+    result = compare.Comparison(Collective.ALLREDUCE, 2, "in-process", "t", ["ring"],
+                                [point(0, 40.0), point(8, 10.5)])
+    assert "worst over sizes that move data, against the fastest family: +5%" in (
+        result.markdown())
+    result.points = [point(0, 40.0)]
+    assert "no size that moves data was measured" in result.markdown()
+
+
 def test_compare_measures_each_element_count_once(tmp_path, capsys):
     """1 B and 2 B of float32 are both 0 elements: one 0 B row, not two."""
     assert main(["compare", "allreduce", "--ranks", "2", "-b", "1", "-e", "8", "-n", "1",
