@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         "tune", help="measure alpha, beta, gamma, delta of each transport here; write a tuning file"
     )
     tune.add_argument("--output", metavar="PATH",
-                      help="tuning file (default: $PYCOLL_TUNING, else ~/.cache/pycoll)")
+                      help="tuning file (default: $PYCOLL_TUNING, else "
+                           "$XDG_CACHE_HOME/pycoll/tuning.json, XDG_CACHE_HOME being ~/.cache "
+                           "where unset)")
     tune.add_argument("--repeats", type=int, default=15, help="timed runs per point")
     tune.add_argument("-e", "--max-bytes", default="32M",
                       help="largest message and buffer measured (default 32M)")

@@ -65,6 +65,9 @@ def topology_named(name_or_path: str) -> model.Topology:
         raise ValueError(f"--topology {path}: not JSON ({error})") from error
     except OSError as error:  # a directory, no permission
         raise ValueError(f"--topology {path}: cannot read it ({error.strerror})") from None
+    if isinstance(data, dict) and "transports" in data:  # what pycoll tune --output wrote
+        raise ValueError(f"--topology {path} is a tuning file (pycoll tune's); allowed: one "
+                         f"topology's JSON, or PYCOLL_TUNING={path} with --topology tuned")
     return model.Topology.from_json(data, source=str(path))
 
 

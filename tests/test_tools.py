@@ -159,6 +159,11 @@ def test_model_prices_what_a_run_can_make(tmp_path, capsys):
                  "-f", "2"]) == 0
     out = capsys.readouterr().out
     assert "hierarchical" not in out and "# 64 ranks" not in out and "| 2 | 64 B |" in out
+    tuning = tmp_path / "tuning.json"  # pycoll tune's file is not one topology: say where
+    model.save_tuning([("local", scaling.builtin_topologies()["ethernet"])], tuning)
+    assert main(["model", "--ranks", "8", "--topology", str(tuning)]) == 2
+    assert (f"--topology {tuning} is a tuning file (pycoll tune's); allowed: one topology's "
+            f"JSON, or PYCOLL_TUNING={tuning} with --topology tuned") in capsys.readouterr().err
 
 
 def test_model_command_prints_every_algorithm_and_the_crossover(capsys):
