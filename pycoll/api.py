@@ -530,29 +530,48 @@ def alltoallv(
     send_counts: list[int],
     recv_counts: list[int] | None = None,
     *,
+    out: Array | None = None,
     comm: Communicator | None = None,
     stream: Any = None,
     async_op: bool = False,
 ) -> Array:
     """Rank r sends ``send_counts[j]`` rows of ``x`` to rank j, in order of j.
 
-    Returns what arrived, in source-rank order. The counts are exchanged first; given
-    ``recv_counts`` are checked against what the peers send, on every rank.
+    Returns what arrived, in source-rank order (into ``out`` where given: as many rows as
+    arrive, shaped as x's; as torch's ``all_to_all_single``). The counts are exchanged first;
+    given ``recv_counts``, and ``out``'s row count, are checked against what the peers send,
+    on every rank.
     """
     if async_op is not False and _async(async_op, "alltoallv"):
         send_counts, recv_counts = _alltoallv_counts(
             _before_submit(comm, x, "alltoallv", "auto", stream), x, send_counts, recv_counts)
-        return _submit(alltoallv, "alltoallv", x, send_counts, recv_counts, comm=comm,
-                       stream=stream)
+        if out is not None:
+            _alltoallv_out(out, x, recv_counts)
+        return _submit(alltoallv, "alltoallv", x, send_counts, recv_counts, out=out,
+                       comm=comm, stream=stream)
     comm = _comm(comm)
     space = _space(x, "alltoallv")
     select.forced_algorithm(Collective.ALLTOALL)
     send_counts, recv_counts = _alltoallv_counts(comm, x, send_counts, recv_counts)
-    arrived = _exchange_counts(comm, send_counts, recv_counts)
+    if out is not None:  # before any exchange: what this rank alone can tell
+        _alltoallv_out(out, x, recv_counts)
+    arrived = _exchange_counts(comm, send_counts, recv_counts,
+                               None if out is None else out.shape[0])
     with space.using(stream):
-        out = space.empty((sum(arrived), *x.shape[1:]), x.dtype)
+        if out is None:
+            out = space.empty((sum(arrived), *x.shape[1:]), x.dtype)
         _alltoallv(x, send_counts, arrived, out, comm)
     return out
+
+
+def _alltoallv_out(out: Array, x: Array, recv_counts: list[int] | None) -> None:
+    """AllToAllv's ``out`` checked against ``x`` (its rows against ``recv_counts`` where
+    given; else the exchange of counts checks them)."""
+    if recv_counts is None and getattr(out, "ndim", x.ndim) != x.ndim:
+        raise ValueError(f"alltoallv: out.shape={out.shape}; allowed: the rows that arrive, "
+                         f"each shaped {x.shape[1:]}")
+    rows = sum(recv_counts) if recv_counts is not None else getattr(out, "shape", (0,))[0]
+    _out(out, x, (rows, *x.shape[1:]), "alltoallv")
 
 
 def _alltoallv_counts(comm: Communicator, x: Array, send_counts: Any,
@@ -577,24 +596,35 @@ def _agree_on_pieces(comm: Communicator, x: Array) -> None:
 
 
 def _exchange_counts(comm: Communicator, send_counts: list[int],
-                     recv_counts: list[int] | None) -> list[int]:
+                     recv_counts: list[int] | None, out_rows: int | None = None) -> list[int]:
     """The rows each rank sends to this one, by an AllToAll of (count, checking) pairs: O(p)
-    per rank. Where any rank gave ``recv_counts`` (every rank learns whether one did), the
-    first disagreeing pair is agreed by a MIN AllReduce, so every rank raises the same error
-    and none waits in the data exchange for a rank that raised."""
-    checking = recv_counts is not None
+    per rank. Where any rank gave ``recv_counts`` or an ``out`` of ``out_rows`` rows (every
+    rank learns whether one did), the first disagreement is agreed by a MIN AllReduce, so
+    every rank raises the same error and none waits in the data exchange for a rank that
+    raised."""
+    checking = recv_counts is not None or out_rows is not None
     pairs = np.array([[count, checking] for count in send_counts], np.int64).reshape(-1)
     table = alltoall(pairs, comm=comm).reshape(comm.size, 2)
     arrived = [int(c) for c in table[:, 0]]
     if not table[:, 1].any():
         return arrived
-    mine = [src for src in range(comm.size) if checking and recv_counts[src] != arrived[src]]
-    none = comm.size * comm.size
-    first = allreduce(np.array([comm.rank * comm.size + mine[0] if mine else none], np.int64),
-                      "min", comm=comm)
-    if int(first[0]) == none:
+    p = comm.size
+    mine = [src for src in range(p) if recv_counts is not None and recv_counts[src] != arrived[src]]
+    out_differs = recv_counts is None and out_rows is not None and out_rows != sum(arrived)
+    # a pair's disagreement: dst * p + src; an out of other rows: p * p + rank; none: more
+    none = p * p + p
+    code = comm.rank * p + mine[0] if mine else p * p + comm.rank if out_differs else none
+    first = int(allreduce(np.array([code], np.int64), "min", comm=comm)[0])
+    if first == none:
         return arrived
-    dst, src = divmod(int(first[0]), comm.size)
+    if first >= p * p:
+        who = first - p * p
+        pair = np.array([sum(arrived), out_rows or 0] if comm.rank == who else [0, 0], np.int64)
+        arriving, rows = broadcast(pair, who, comm=comm)
+        raise agree.AgreedError(
+            f"alltoallv: rank {who}'s out has {rows} rows but {arriving} arrive "
+            f"(send_counts[{who}] of every rank, summed); they must be equal")
+    dst, src = divmod(first, p)
     pair = np.array([arrived[src], recv_counts[src]] if comm.rank == dst else [0, 0], np.int64)
     sent, expected = broadcast(pair, dst, comm=comm)
     raise agree.AgreedError(

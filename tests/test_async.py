@@ -60,6 +60,8 @@ def test_every_collective_takes_async_op(monkeypatch, transport):
             pycoll.reduce(x, "sum", 2, async_op=True),
             pycoll.alltoall(x, async_op=True),
             pycoll.alltoallv(x[: 2 * rank], [rank] * 2 + [0], async_op=True),
+            pycoll.alltoallv(x[: 2 * rank], [rank] * 2 + [0],
+                             out=np.empty(3 * (rank < 2), np.float32), async_op=True),
             pycoll.barrier(async_op=True),
         ]
         if rank == 0:
@@ -77,9 +79,13 @@ def test_every_collective_takes_async_op(monkeypatch, transport):
         np.testing.assert_array_equal(results[3], inputs[1])
         assert (results[4] is None) == (rank != 2)
         np.testing.assert_array_equal(results[5], oracle.alltoall(inputs)[rank])
-        assert results[7] is None
+        sent = oracle.alltoallv([inputs[r][: 2 * r] for r in range(3)], [[r, r, 0]
+                                                                          for r in range(3)])
+        np.testing.assert_array_equal(results[6], sent[rank])
+        np.testing.assert_array_equal(results[7], sent[rank])  # into the out given
+        assert results[8] is None
         if rank == 1:
-            np.testing.assert_array_equal(results[8], inputs[0])
+            np.testing.assert_array_equal(results[9], inputs[0])
         np.testing.assert_array_equal(blocking, oracle.allreduce(inputs, "sum"))
 
 
@@ -133,6 +139,9 @@ BAD_ASYNC_CALLS = {  # beside test_errors.BAD_CALLS, which runs async too (there
                      "broadcast: x is a list; allowed: a numpy.ndarray"),
     "alltoallv's name": (lambda r: pycoll.alltoallv(np.arange(4.0)[::2], [1, 1], async_op=True),
                          "alltoallv: x is not C-contiguous"),  # it said alltoall
+    "alltoallv out": (lambda r: pycoll.alltoallv(np.ones(2), [1, 1], [1, 1],
+                                                 out=np.ones(3), async_op=True),
+                      r"alltoallv: out.shape=\(3,\); allowed: \(2,\)"),
 }
 
 

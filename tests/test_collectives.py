@@ -205,11 +205,37 @@ def test_alltoallv_uneven_and_empty(nranks):
     def body():
         rank = pycoll.world().rank
         given = [int(c) for c in send_counts[:, rank]] if rank % 2 else None
-        return pycoll.alltoallv(inputs[rank], send_counts[rank].tolist(), given)
+        new = pycoll.alltoallv(inputs[rank], send_counts[rank].tolist(), given)
+        # into an out of the caller's (as torch's all_to_all_single), with recv_counts on
+        # some ranks and without on others
+        out = np.full(int(send_counts[:, rank].sum()), -1, np.int32)
+        into = pycoll.alltoallv(inputs[rank], send_counts[rank].tolist(),
+                                None if given else send_counts[:, rank].tolist(), out=out)
+        return new, into is out and out
 
     results = pycoll.run_local(nranks, body)
-    for result, want in zip(results, oracle.alltoallv(inputs, send_counts.tolist())):
-        np.testing.assert_array_equal(result, want)
+    for (new, out), want in zip(results, oracle.alltoallv(inputs, send_counts.tolist())):
+        np.testing.assert_array_equal(new, want)
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_an_alltoallv_out_of_other_rows_fails_on_every_rank(nranks):
+    """Without recv_counts, out's rows are known right only after the counts' exchange:
+    the ranks agree on it, so none waits in the data exchange for a rank that raised."""
+
+    def body():
+        rank = pycoll.world().rank
+        try:
+            pycoll.alltoallv(np.arange(nranks), [1] * nranks,
+                             out=np.empty(nranks + (rank == nranks - 1), np.int64))
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    assert pycoll.run_local(nranks, body) == [
+        f"alltoallv: rank {nranks - 1}'s out has {nranks + 1} rows but {nranks} arrive "
+        f"(send_counts[{nranks - 1}] of every rank, summed); they must be equal"] * nranks
 
 
 @pytest.mark.parametrize("given", [False, True])

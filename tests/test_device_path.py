@@ -149,6 +149,11 @@ def test_alltoall_alltoallv_and_send_recv(device, nranks):
     def body(rank):
         everyone = pycoll.alltoall(device_array(inputs[rank]))
         varied = pycoll.alltoallv(device_array(inputs[rank][: sum(sends[rank])]), sends[rank])
+        into = device_array(np.full(varied.shape, -1, np.float32))  # an out of the caller's
+        assert pycoll.alltoallv(device_array(inputs[rank][: sum(sends[rank])]), sends[rank],
+                                out=into) is into
+        device.synchronize()
+        np.testing.assert_array_equal(host_array(into), host_array(varied))
         ring = device_array(np.full(4, -1.0, np.float32))
         mine = device_array(np.full(4, rank, np.float32))
         for turn in (rank % 2, 1 - rank % 2) if nranks > 1 else ():  # sends block: alternate

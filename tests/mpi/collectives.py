@@ -133,6 +133,9 @@ def check_alltoall(per_peer: int) -> None:
     native.Alltoallv([ys[RANK], counts[RANK].tolist()], [recv, counts[:, RANK].tolist()])
     got = pycoll.alltoallv(ys[RANK], counts[RANK].tolist())
     case(f"alltoallv {per_peer}", got, oracle.alltoallv(ys, counts.tolist())[RANK])
+    into = np.full_like(got, -1)  # an out of the caller's, without recv_counts
+    pycoll.alltoallv(ys[RANK], counts[RANK].tolist(), out=into)
+    case(f"alltoallv {per_peer} into out", into, got)
     case(f"alltoallv vs native {per_peer}", got, recv)
 
 
