@@ -637,7 +637,7 @@ class SharedMemoryTransport:
             if control[agreed + 2] != call:
                 raise ValueError(
                     f"{collective}: rank {self.rank} and rank {self.local[i]} passed a "
-                    "different op, root or counts; every rank must pass the same "
+                    "different collective, op, root or counts; every rank must pass the same "
                     "(PYCOLL_CHECK=1 names which)")
         return slots
 

@@ -104,8 +104,9 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
     if known is None:
         parsed = _op(op, x, "allreduce")
         reducer = HOST.reducer(parsed, x.dtype)
-        known = shared.ops[(x.dtype, op)] = (parsed, reducer, _call_number(parsed, None, None),
-                                             getattr(reducer, "ufunc", None))
+        known = shared.ops[(x.dtype, op)] = (
+            parsed, reducer, _call_number(_ALLREDUCE, parsed, None, None),
+            getattr(reducer, "ufunc", None))
     parsed, reducer, call, ufunc = known
     if out is None:
         out = np.empty(x.shape, x.dtype)  # numpy's own, as the general path returns
@@ -131,6 +132,7 @@ def _one_shot_allreduce(x: np.ndarray, op: OpLike, out: np.ndarray | None,
 
 
 _OP_CODES = {op: code for code, op in enumerate(ReduceOp, start=1)}
+_COLLECTIVE_CODES = {c: code for code, c in enumerate(Collective, start=1)}  # under 16
 SMALL_EXCHANGE_BYTES = 64 << 10  # per rank: ReduceScatter, AllGather, Broadcast and Reduce
 
 
@@ -175,13 +177,16 @@ def _small_exchange(comm: Communicator, collective: Collective, x: Array, op: Re
         return None
     if comm.check:
         _agree(comm, collective, x, op, "auto", blocks, root)
-    return _publish(comm, shared, collective, x, _call_number(op, blocks, root))
+    return _publish(comm, shared, collective, x, _call_number(collective, op, blocks, root))
 
 
-def _call_number(op: ReduceOp | None, blocks: tuple[int, ...] | None, root: int | None) -> int:
-    """op, root and counts as one int64 that every rank computes alike (hashes of ints and
-    tuples of ints are not salted per process), for the one-shot to compare."""
-    call = _OP_CODES.get(op, 0) | (0 if root is None else root + 1) << 3
+def _call_number(collective: Collective, op: ReduceOp | None, blocks: tuple[int, ...] | None,
+                 root: int | None) -> int:
+    """The collective, op, root and counts as one int64 that every rank computes alike
+    (hashes of ints and tuples of ints are not salted per process), for the one-shot to
+    compare."""
+    call = (_COLLECTIVE_CODES[collective] | _OP_CODES.get(op, 0) << 4
+            | (0 if root is None else root + 1) << 7)
     return call if blocks is None else hash((call, blocks)) >> 1  # fits an int64 word
 
 

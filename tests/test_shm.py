@@ -338,9 +338,28 @@ def test_one_shot_ranks_that_disagree_on_op_root_or_counts_fail(monkeypatch, nam
         return "no error"
 
     for said in run(3, body):
-        assert re.fullmatch(rf"{name}: rank \d and rank \d passed a different op, root or "
-                            r"counts; every rank must pass the same \(PYCOLL_CHECK=1 names "
-                            r"which\)", said), said
+        assert re.fullmatch(rf"{name}: rank \d and rank \d passed a different collective, op, "
+                            r"root or counts; every rank must pass the same \(PYCOLL_CHECK=1 "
+                            r"names which\)", said), said
+
+
+def test_one_shot_ranks_in_different_collectives_fail(monkeypatch):
+    """An AllGather beside AllReduces of the same size: named as a different collective too
+    (it said "a different op, root or counts")."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_CHECK", "0")
+
+    def body(rank):
+        x = np.arange(6, dtype=np.int64)
+        try:
+            pycoll.allgather(x) if rank == 1 else pycoll.allreduce(x)
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    for rank, said in enumerate(run(3, body)):
+        assert said.startswith("allgather: " if rank == 1 else "allreduce: ")
+        assert "passed a different collective, op, root or counts" in said, said
 
 
 def test_a_rank_that_skips_a_collective_is_reported(monkeypatch):
