@@ -517,6 +517,7 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
         row.native_time_us = native_us
         row.native_busbw = _algbw(nbytes, native_us) * factor
         row.ratio = native_us / time_us if time_us > 0 else None
+    del case  # its buffers, before the in-place case's (a sweep's largest size)
     if options.in_place:
         in_place = _Case(options, collective, dtype, size, comm, in_place=True)
         row.in_place_time_us = _time(in_place, algorithm, options, barrier, None)[0]
