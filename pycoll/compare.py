@@ -160,14 +160,15 @@ def run(options: bench.Options, comm: Communicator, algorithms: list[str] | None
                 if one_shot_serves(comm, collective, case.x.nbytes):  # no schedule: no model
                     point.auto_choice, point.predicted_us[a] = "one-shot", math.nan
             if options.check:
-                case.fill_for_check()
-                case.call(a)
-                point.wrong[a] = int(pycoll.allreduce(np.array([case.wrong()]), comm=comm)[0])
+                point.wrong[a] = bench._count_wrong(case, a)
         points.append(point)
     where = "MPI" if comm.mpi_comm is not None else "in-process"
     costs = (f"alpha {topology.intra.alpha * 1e6:.2f} us, beta {_rate(topology.intra.beta)}, "
              f"gamma {_rate(topology.gamma)}, delta {_rate(topology.delta)}, "
              f"call {topology.call * 1e6:.1f} us; from {topology.source}")
+    forced = select.forced_algorithm(collective)
+    if forced is not None:  # auto's column is that family's, whatever the model says
+        costs += f"; auto runs {forced}, as {select.ALGO_ENV} forces"
     return Comparison(collective, comm.size, where, topology.name, families, points, costs)
 
 

@@ -440,6 +440,15 @@ def test_compare_says_when_auto_took_the_one_shot(monkeypatch, tmp_path, capsys)
     assert "| one-shot |" in row and "(-)" in row
 
 
+def test_compare_says_when_pycoll_algo_forces_auto(monkeypatch, tmp_path, capsys):
+    """auto's column is then the forced family's, whatever the model says: the report says
+    so (it did not)."""
+    monkeypatch.setenv("PYCOLL_ALGO", "allreduce:tree")
+    assert main(["compare", "allreduce", "--ranks", "2", "-b", "1K", "-e", "1K", "-n", "1",
+                 "-w", "0", "--output", str(tmp_path / "c")]) == 0
+    assert "; auto runs tree, as PYCOLL_ALGO forces" in capsys.readouterr().out
+
+
 def test_the_small_call_scripts_run(capsys):
     """bench/call_overhead.py (every collective, and one AllReduce layer by layer),
     bench/back_to_back.py (under mpiexec) and bench/plan_cost.py print a time for each of
