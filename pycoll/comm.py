@@ -515,10 +515,15 @@ class Communicator:
         communicator raise."""
         if self.freed:
             return
-        self.free_device_buffers()  # collective even where this rank made no device endpoint
         from pycoll.api import barrier
 
-        barrier(self)  # nobody still reads a peer's memory
+        try:
+            self.free_device_buffers()  # collective even where this rank made no endpoint
+            barrier(self)  # nobody still reads a peer's memory
+        except CollectiveTimeout as error:  # it named a collective the program did not call
+            raise self.broken_by(CollectiveTimeout(
+                f"free() (collective: every rank of the communicator calls it): {error}")
+            ) from None
         if self._shared is not None:
             self._shared.free()
         if self._node_comm is not None:

@@ -58,6 +58,9 @@ def test_a_rank_that_never_comes_is_named(monkeypatch, transport, size, check):
     ("the first collective (connecting shared memory)", False,
      lambda: pycoll.allreduce(np.ones(3))),
     ("empty", True, lambda: pycoll.empty(4)),
+    # it named only the first collective, which the program had not called
+    ("free() (collective: every rank of the communicator calls it): the first collective "
+     "(connecting shared memory)", False, lambda: pycoll.world().free()),
 ])
 def test_a_rank_that_never_comes_to_a_first_step_is_named(monkeypatch, what, warm_up, call):
     """Connecting shared memory (the first collective) and pycoll.empty's window wait within
