@@ -248,9 +248,8 @@ def reduce_scatter(
                  select.FORCED_SEGMENTS)
         remembered = _known(comm, known)
         if remembered is not None and x.flags.c_contiguous:
-            parsed, shape, blocks, how = remembered
-            out = _out(out, x, shape, "reduce_scatter",
-                       block_at=sum(blocks[: comm.rank]) * x.itemsize)
+            parsed, shape, blocks, block_at, how = remembered
+            out = _out(out, x, shape, "reduce_scatter", block_at=block_at)
             _reduce_scatter(comm, x, out, parsed, blocks, algorithm, None, HOST, how)
             return out
     space = _space(x, "reduce_scatter")
@@ -258,11 +257,12 @@ def reduce_scatter(
     rows = _rows(x, "reduce_scatter")
     counts = _counts(counts, rows, comm.size, "reduce_scatter", "len(x)")
     shape = (counts[comm.rank], *x.shape[1:])
+    block_at = _block_at(x, counts, comm.rank)
     with space.using(stream):
-        out = _out(out, x, shape, "reduce_scatter", block_at=_block_at(x, counts, comm.rank))
+        out = _out(out, x, shape, "reduce_scatter", block_at=block_at)
         blocks = tuple(c * _row_size(x) for c in counts)
         how = _reduce_scatter(comm, x, out, op, blocks, algorithm, stream, space)
-    _remember(comm, known, (op, shape, blocks, how))
+    _remember(comm, known, (op, shape, blocks, block_at, how))
     return out
 
 
@@ -326,8 +326,8 @@ def allgather(
         known = (_KNOWN, "allgather", x.dtype, x.shape, algorithm, select.FORCED_SEGMENTS)
         remembered = _known(comm, known)
         if remembered is not None and x.flags.c_contiguous:
-            shape, blocks, how = remembered
-            out = _out(out, x, shape, "allgather", block_at=sum(blocks[: comm.rank]) * x.itemsize)
+            shape, blocks, block_at, how = remembered
+            out = _out(out, x, shape, "allgather", block_at=block_at)
             _allgather(comm, x, out, blocks, algorithm, None, how)
             return out
     space = _space(x, "allgather")
@@ -337,12 +337,13 @@ def allgather(
     else:
         counts = _gathered_counts(counts, rows, comm.size, comm.rank)
     shape = (sum(counts), *x.shape[1:])
+    block_at = _block_at(x, counts, comm.rank)
     with space.using(stream):
-        out = _out(out, x, shape, "allgather", block_at=_block_at(x, counts, comm.rank))
+        out = _out(out, x, shape, "allgather", block_at=block_at)
         row = _row_size(x)
         blocks = tuple(c * row for c in counts)
         how = _allgather(comm, x, out, blocks, algorithm, stream)
-    _remember(comm, known, (shape, blocks, how))
+    _remember(comm, known, (shape, blocks, block_at, how))
     return out
 
 
