@@ -285,7 +285,11 @@ def _bench(args: argparse.Namespace) -> int:
     if args.ranks is not None:
         size, where = args.ranks, "in-process"
     else:
-        comm = pycoll.world()
+        try:
+            comm = pycoll.world()
+        except ValueError as error:  # a bad setting (PYCOLL_TIMEOUT=x), the same on every rank
+            print(f"pycoll bench: {error}", file=sys.stderr)
+            return 2
         size, where = comm.size, "MPI" if comm.mpi_comm else "in-process"
     title = (f"pycoll bench {options.collective}: {size} ranks ({where}), "
              f"iters {options.iters}, warmup {options.warmup}, median of the slowest rank")

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pycoll import agree
+from pycoll import agree, select
 from pycoll import verify as verification
 from pycoll.bindings.local import LocalTransport, LocalWorld, run_threads
 from pycoll.bindings.mpi import (
@@ -43,6 +43,7 @@ class Communicator:
     """
 
     def __init__(self, mpi_comm: Any = None):
+        select.check_settings()
         MPI = mpi()
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(parent, MPI.Intracomm) or parent == MPI.COMM_NULL:
@@ -58,6 +59,7 @@ class Communicator:
     @classmethod
     def _over(cls, transport: Transport, p2p: Transport) -> Communicator:
         """A communicator over ready transports (the in-process world)."""
+        select.check_settings()
         comm = cls.__new__(cls)
         comm.mpi_comm = None
         comm._owns_mpi_comm = False

@@ -8,7 +8,8 @@ transport, else built-in defaults. ``PYCOLL_ALGO`` forces a family, for every co
 call forces one for that call (the model then picks only its segment count);
 ``PYCOLL_SEGMENTS`` forces the segment count. ``PYCOLL_DEBUG=1`` logs every call's choice.
 ``PYCOLL_ALGO`` is read when a communicator first prepares a call shape; ``PYCOLL_SEGMENTS``
-and ``PYCOLL_DEBUG`` when pycoll is imported: set them before.
+and ``PYCOLL_DEBUG`` when pycoll is imported: set them before (a bad value is raised when a
+communicator is made).
 """
 
 from __future__ import annotations
@@ -43,10 +44,24 @@ def _segments_from_env() -> int | None:
     return value
 
 
-# Force every schedule to this many segments (tests, `pycoll explain --segments`); None: model.
-# Read at import, as PYCOLL_DEBUG: every call reads them.
-FORCED_SEGMENTS: int | None = _segments_from_env()
-DEBUG = bool(switch("PYCOLL_DEBUG", False))
+def _settings_from_env() -> tuple[int | None, bool, str | None]:
+    """PYCOLL_SEGMENTS and PYCOLL_DEBUG, and what is wrong with them (None: nothing)."""
+    try:
+        return _segments_from_env(), bool(switch("PYCOLL_DEBUG", False)), None
+    except ValueError as error:
+        return None, False, str(error)
+
+
+# Read at import, as every call reads them. FORCED_SEGMENTS forces every schedule to that many
+# segments (tests, `pycoll explain --segments`); None: the model's. A bad value is raised where
+# a communicator is made (check_settings), not here: `import pycoll` and `pycoll --help` stand.
+FORCED_SEGMENTS, DEBUG, SETTINGS_ERROR = _settings_from_env()
+
+
+def check_settings() -> None:
+    """Raise the error of a bad PYCOLL_SEGMENTS or PYCOLL_DEBUG read at import."""
+    if SETTINGS_ERROR is not None:
+        raise ValueError(SETTINGS_ERROR)
 log = logging.getLogger("pycoll")
 
 # Built-in costs per kind of transport, until `pycoll tune` measures this machine's. They

@@ -4,6 +4,9 @@ PYCOLL_DEBUG and tuning files."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -190,6 +193,30 @@ def test_a_segment_count_out_of_range_is_refused(monkeypatch, value):
 
     with pytest.raises(ValueError, match="nsegments=-1 is invalid; allowed: an int >= 1"):
         build("ring", Collective.ALLREDUCE, 3, -1)
+
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("PYCOLL_SEGMENTS", "x", "an int in 1..1024, or unset"), ("PYCOLL_DEBUG", "yes", "0 or 1")])
+def test_a_bad_setting_read_at_import_is_raised_where_a_communicator_is_made(
+        name, value, allowed):
+    """PYCOLL_SEGMENTS=x raised inside `import pycoll`: every `pycoll` command, --help too,
+    ended in a traceback. Now the import stands, and making a communicator raises the error."""
+    env = {**os.environ, name: value}
+    code = ("import pycoll\n"
+            "try:\n    pycoll.run_local(2, lambda: None)\n"
+            "except ValueError as error:\n    print(error)")
+    run = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"{name}={value!r} is invalid; allowed: {allowed}"
+    cli = [sys.executable, "-P", "-m", "pycoll"]
+    run = subprocess.run([*cli, "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "usage: pycoll" in run.stdout, run.stderr
+    for command in (["bench", "-e", "8"], ["demo"]):
+        run = subprocess.run([*cli, *command], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert (run.returncode, run.stderr) == (
+            2, f"pycoll {command[0]}: {name}={value!r} is invalid; allowed: {allowed}\n")
 
 
 def test_an_on_off_setting_takes_0_or_1_and_names_anything_else(monkeypatch):
