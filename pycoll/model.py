@@ -459,6 +459,8 @@ def segment_choices(count: int, nranks: int, topology: Topology) -> tuple[int, .
 # --- tuning files ---------------------------------------------------------------------------
 
 TUNING_ENV = "PYCOLL_TUNING"
+# the kinds of transport a tuning file holds costs for (select.DEFAULTS has each one's defaults)
+TRANSPORT_KINDS = ("local", "mpi", "shm", "cuda")
 
 
 def tuning_path() -> Path:
@@ -501,6 +503,11 @@ def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
         raise ValueError(
             f"tuning file {path} is unreadable ({error!r}); run `pycoll tune` to rewrite it"
         ) from error
+    unknown = sorted(set(kinds) - set(TRANSPORT_KINDS))
+    if unknown:  # a misspelt kind ("shmm") was kept and never read: its costs went unused
+        raise ValueError(
+            f"tuning file {path}: transports {unknown} unknown; allowed: "
+            f"{', '.join(TRANSPORT_KINDS)}; run `pycoll tune` to rewrite it")
     return {
         kind: [Topology.from_json(e, source=f"{path} [{kind}, {e.get('nranks', 0)} ranks]")
                for e in entries]

@@ -7,6 +7,7 @@ evenly so the formulas are exact.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -206,6 +207,15 @@ def test_topology_files_round_trip_and_reject_unknown_keys(tmp_path):
     assert model.nearest(loaded["mpi"], 3).nranks == 4
     assert model.nearest(loaded["mpi"], 2).nranks == 2
     assert model.nearest(loaded["mpi"], 64).nranks == 4 and model.nearest([], 4) is None
+    misspelt = tmp_path / "misspelt.json"
+    misspelt.write_text(json.dumps({"transports": {"shmm": [topology.to_json()]}}))
+    with pytest.raises(ValueError, match=f"tuning file {misspelt}: transports \\['shmm'\\] "
+                                         "unknown; allowed: local, mpi, shm, cuda; run `pycoll "
+                                         "tune` to rewrite it"):
+        model.load_tuning(misspelt)
+    from pycoll import select
+
+    assert set(select.DEFAULTS) == set(model.TRANSPORT_KINDS)
 
 
 # --- rank 0 alone for a symmetric schedule --------------------------------------------------
