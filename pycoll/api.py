@@ -751,6 +751,9 @@ def plan(
     if not is_int(nbytes) or nbytes < 0:
         raise ValueError(f"plan: nbytes={nbytes!r} is invalid; allowed: an int >= 0")
     dtype = check_dtype(dtype)
+    if nbytes % dtype.itemsize:  # a call moves whole elements: 5 bytes of float32 was planned
+        raise ValueError(f"plan: nbytes={nbytes!r} is no whole number of {dtype.name} elements; "
+                         f"allowed: a multiple of {dtype.itemsize}")
     if not isinstance(device, bool | np.bool_):  # "no" planned for CUDA
         raise ValueError(f"plan: device={device!r} is invalid; allowed: True or False")
     if kind is Collective.ALLTOALL and algorithm == "auto":

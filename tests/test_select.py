@@ -144,7 +144,7 @@ def test_plan_on_one_rank_alone_names_the_one_shot_without_a_collective(monkeypa
             return None  # no collective at all
         return [pycoll.plan("allreduce", 8).algorithm,
                 pycoll.plan("allgather", 3 * (64 << 10)).algorithm,
-                pycoll.plan("allgather", 3 * (64 << 10) + 3).algorithm]
+                pycoll.plan("allgather", 3 * (64 << 10) + 12).algorithm]
 
     names = pycoll.run_local(3, body)[0]
     assert names[:2] == [select.ONE_SHOT] * 2 and names[2] != select.ONE_SHOT
@@ -159,6 +159,8 @@ def test_algorithm_argument_lets_the_model_pick_only_the_segments():
 @pytest.mark.parametrize("args,message", [
     (("allreducee", 8), "plan: collective='allreducee' is unknown"),
     (("allreduce", -1), "plan: nbytes=-1 is invalid"),
+    (("allreduce", 6), "plan: nbytes=6 is no whole number of float32 elements; allowed: a "
+                       "multiple of 4"),
     (("broadcast", 8), "plan: root=9 is not a rank"),
     (("reduce", 8), "plan: device='no' is invalid; allowed: True or False"),  # planned CUDA
 ])
