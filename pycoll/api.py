@@ -66,7 +66,7 @@ def allreduce(
             parsed, call = remembered
             out = _out(out, x, x.shape, "allreduce", may_alias=True)
             _execute(comm, call, x, out)
-            if parsed is ReduceOp.AVG:
+            if parsed is _AVG:
                 HOST.finish(out.reshape(-1), parsed, comm.size)
             return out
     space = _space(x, "allreduce")
@@ -74,7 +74,7 @@ def allreduce(
     with space.using(stream):
         out = _out(out, x, x.shape, "allreduce", may_alias=True)
         call = _run(comm, Collective.ALLREDUCE, x, out, parsed, algorithm)
-        if parsed is ReduceOp.AVG:
+        if parsed is _AVG:
             space.finish(out.reshape(-1), parsed, comm.size)
     _remember(comm, known, (parsed, call))
     return out
@@ -278,7 +278,7 @@ def _reduce_scatter(comm: Communicator, x: Array, out: Array, op: ReduceOp,
         if slots is not None:  # every rank's x, in shared memory: sum my block in rank order
             flat = out.reshape(-1)
             _sum_in_rank_order(flat, [s[start:stop] for s in slots], HOST.reducer(op, x.dtype))
-            if op is ReduceOp.AVG:
+            if op is _AVG:
                 HOST.finish(flat, op, comm.size)
             return _ONE_SHOT
     work = comm.buffer("reduce_scatter", x.size, x.dtype, space)
@@ -287,7 +287,7 @@ def _reduce_scatter(comm: Communicator, x: Array, out: Array, op: ReduceOp,
     else:
         how = _run(comm, Collective.REDUCE_SCATTER, x, work, op, algorithm, blocks=blocks)
     result = work[start:stop]
-    if op is ReduceOp.AVG:
+    if op is _AVG:
         space.finish(result, op, comm.size)
     space.copy(out.reshape(-1), result)
     return how
@@ -473,7 +473,7 @@ def _reduce(comm: Communicator, x: Array, out: Array | None, op: ReduceOp, root:
             out = _out(out, x, x.shape, "reduce", may_alias=True)
             flat = out.reshape(-1)
             _sum_in_rank_order(flat, slots, HOST.reducer(op, x.dtype))
-            if op is ReduceOp.AVG:
+            if op is _AVG:
                 HOST.finish(flat, op, comm.size)
             return out, _ONE_SHOT
     if comm.rank == root:
@@ -487,7 +487,7 @@ def _reduce(comm: Communicator, x: Array, out: Array | None, op: ReduceOp, root:
         how = _run(comm, Collective.REDUCE, x, work, op, algorithm, root=root)
     if comm.rank != root:
         return None, how
-    if op is ReduceOp.AVG:
+    if op is _AVG:
         space.finish(out.reshape(-1), op, comm.size)
     return out, how
 
@@ -1004,7 +1004,7 @@ def _out(out, x, shape, collective, may_alias=False, block_at=None) -> Array:
     if out is None:
         return space_of(x).empty(shape, x.dtype)  # x was checked; this is its space
     if (type(out) is np.ndarray and type(x) is np.ndarray and out.dtype == x.dtype
-            and out.shape == shape and out.flags.c_contiguous and out.flags.writeable
+            and out.shape == shape and (flags := out.flags).c_contiguous and flags.writeable
             and ((may_alias and out is x)
                  or (out is not x and ((out.base is None and x.base is None)  # own memory
                                        or not np.may_share_memory(out, x))))):

@@ -61,7 +61,12 @@ class HostSpace:
         dst[...] = src
 
     may_share_memory = staticmethod(np.may_share_memory)
-    shares_memory = staticmethod(np.shares_memory)
+
+    @staticmethod
+    def shares_memory(a: np.ndarray, b: np.ndarray) -> bool:
+        if a.base is None and b.base is None and a is not b:
+            return False  # each owns its memory (as _out's test): known without numpy's 0.5 us
+        return bool(np.shares_memory(a, b))
 
     def address(self, x: np.ndarray) -> int:
         return x.__array_interface__["data"][0]

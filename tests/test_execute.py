@@ -243,3 +243,20 @@ def test_the_overlap_test_agrees_with_testing_every_pair(spans):
     for i, r in enumerate(ranges):
         assert shares_range(i) == any(k != i and o.start < r.stop and r.start < o.stop
                                       for k, o in enumerate(ranges))
+
+
+def test_the_host_spaces_overlap_test_is_exact_where_it_skips_numpys():
+    """A call that runs in place copies INPUT first where its schedule reads INPUT late; the
+    test skips numpy's (0.5 us of a 4 us call) for two arrays that each own their memory."""
+    import numpy as np
+
+    from pycoll.spaces import HOST
+
+    x, y = np.arange(8.0), np.arange(8.0)
+    grid = np.arange(16.0).reshape(4, 4)
+    pairs = [(x, y, False), (x, x, True), (x, x[3:], True), (x[:4], x[4:], False),
+             (x, grid.reshape(-1), False), (grid, grid[1], True), (grid.reshape(-1), grid, True),
+             (x[::2], x[1::2], False), (np.empty(0), np.empty(0), False)]
+    for a, b, shared in pairs:
+        assert HOST.shares_memory(a, b) is shared and HOST.shares_memory(b, a) is shared
+        assert HOST.shares_memory(a, b) == np.shares_memory(a, b)
