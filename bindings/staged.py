@@ -21,16 +21,27 @@ from pycoll.settings import switch
 PIECE_BYTES = 4 << 20
 
 
-def cuda_aware_mpi(MPI: Any) -> bool:
-    """Whether the MPI library takes CUDA device buffers (``PYCOLL_CUDA_AWARE_MPI`` overrides)."""
+def cuda_aware_mpi(mpi_comm: Any) -> bool:
+    """Whether the MPI library takes CUDA device buffers on ``mpi_comm`` (an mpi4py
+    communicator; ``PYCOLL_CUDA_AWARE_MPI`` overrides)."""
     forced = switch("PYCOLL_CUDA_AWARE_MPI", None)
     if forced is not None:
         return forced
-    try:  # MPI 4.1's memory-kind info key (Open MPI >= 6, recent MPICH)
-        kinds = MPI.INFO_ENV.Get("mpi_memory_alloc_kinds") or ""
-    except Exception:  # noqa: BLE001 - older libraries lack the key or the object
+    # MPI 4.1's memory kinds: those the library supports are the communicator's info; the
+    # same key of MPI_INFO_ENV holds those the user asked for (MPICH 5 leaves it unset)
+    try:
+        info = mpi_comm.Get_info()
+        try:
+            kinds = info.Get("mpi_memory_alloc_kinds") or ""
+        finally:
+            info.Free()
+    except Exception:  # noqa: BLE001 - older libraries lack the key or the call
         return False
-    return "cuda:device" in kinds or "cuda" in kinds.split(",")
+    for kind in kinds.split(","):  # "cuda" is every CUDA kind; "cuda:host" not device memory
+        name, *restrictors = kind.strip().split(":")
+        if name == "cuda" and (not restrictors or "device" in restrictors):
+            return True
+    return False
 
 
 class _Send:

@@ -826,7 +826,7 @@ def _mpi_device_transport(mpi_comm: Any, space: Any, nodes: list[int]) -> Any:
         lambda: PeerMemoryTransport(
             space, access(), MPITransport(mpi_comm.Dup()), MPITransport(mpi_comm.Dup()),
         ),
-        lambda: StagedTransport(space, MPITransport(mpi_comm.Dup()), cuda_aware_mpi(mpi())),
+        lambda: StagedTransport(space, MPITransport(mpi_comm.Dup()), cuda_aware_mpi(mpi_comm)),
     )
 
 

@@ -1003,3 +1003,42 @@ def test_a_device_array_is_not_taken_for_host_memory_by_the_one_shot(device, mon
                 else oracle.allgather(inputs))
     for got in on_device(device, 2, call):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_cuda_aware_mpi_is_read_from_the_communicators_memory_kinds(monkeypatch):
+    """MPI 4.1 lists the memory kinds a library supports in a communicator's info; the
+    same key of MPI_INFO_ENV, read before, holds those the user asked for (unset by MPICH 5),
+    so a CUDA-aware MPICH went unnoticed."""
+    from pycoll.bindings.staged import cuda_aware_mpi
+
+    class Info:
+        def __init__(self, kinds):
+            self.kinds, self.freed = kinds, False
+
+        def Get(self, key):
+            return self.kinds if key == "mpi_memory_alloc_kinds" else None
+
+        def Free(self):
+            self.freed = True
+
+    class Comm:
+        def __init__(self, kinds):
+            self.info = Info(kinds)
+
+        def Get_info(self):
+            return self.info
+
+    monkeypatch.delenv("PYCOLL_CUDA_AWARE_MPI", raising=False)
+    for kinds, aware in [("mpi,system", False), ("mpi,system,cuda:device", True),
+                         ("mpi,cuda", True), ("mpi, cuda:host:device", True),
+                         ("mpi,cuda:host", False), ("mpi,cudax", False), (None, False)]:
+        comm = Comm(kinds)
+        assert cuda_aware_mpi(comm) is aware, kinds
+        assert comm.info.freed
+    assert cuda_aware_mpi(object()) is False  # no Get_info: an MPI before 4.1
+    monkeypatch.setenv("PYCOLL_CUDA_AWARE_MPI", "1")
+    assert cuda_aware_mpi(Comm("mpi")) is True
+    from mpi4py import MPI
+
+    monkeypatch.delenv("PYCOLL_CUDA_AWARE_MPI")
+    assert cuda_aware_mpi(MPI.COMM_SELF) is False  # the mpich wheel: no CUDA
