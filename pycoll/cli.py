@@ -305,6 +305,10 @@ def _bench(args: argparse.Namespace) -> int:
             rows, rank = results[0], 0
         else:
             rows, rank = bench.run(options, comm, stream), comm.rank
+            if options.device == "cuda" and size > 1:
+                # every rank unmaps its peers' CUDA IPC memory before any is freed (at exit
+                # the interpreter would free it in no order, still mapped); collective, as here
+                comm.free_device_buffers()
     except (ValueError, TypeError, RuntimeError, TimeoutError) as error:
         # a collective's timeout too: exit 1 says the run ended with wrong values, no more
         print(f"pycoll bench: {error}", file=sys.stderr)

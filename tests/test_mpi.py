@@ -318,6 +318,7 @@ def test_the_gpu_check_collective_bench_between_processes(collective, nranks):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "# out of bounds values: 0 OK" in output and "ring" in output, output
+    assert output.count("device buffers freed before exit") == nranks, output
 
 
 @pytest.mark.parametrize("count", [3, 30000])  # the one-shot's agreement, and a schedule's

@@ -165,6 +165,7 @@ check("device communicators freed", bool(owned) and all(c == MPI.COMM_NULL for c
 got = pycoll.allreduce(device_array(np.ones(7, np.int32)))
 device.synchronize()
 check("allreduce after freeing", host_array(got), np.full(7, P, np.int32))
+comm.free_device_buffers()  # peers' mappings closed before any memory is freed, not at exit
 totals = comm.mpi_comm.allreduce(np.array([passed, failed]))
 if RANK == 0:
     print(f"device collectives on {P} ranks: {totals[0]} passed, {totals[1]} failed", flush=True)
