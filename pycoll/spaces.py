@@ -160,7 +160,8 @@ class CudaSpace:
                 try:
                     runtime.deviceEnablePeerAccess(device)
                 except runtime.CUDARuntimeError as error:  # already on: CuPy's copies do it
-                    reach = "PeerAccessAlreadyEnabled" in str(error)
+                    reach = error.status == getattr(runtime, "errorPeerAccessAlreadyEnabled",
+                                                    704)  # (CUDA's number; as CuPy compares)
             self._peer_access[(current, device)] = reach
         return reach
 

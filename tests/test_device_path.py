@@ -1042,3 +1042,34 @@ def test_cuda_aware_mpi_is_read_from_the_communicators_memory_kinds(monkeypatch)
 
     monkeypatch.delenv("PYCOLL_CUDA_AWARE_MPI")
     assert cuda_aware_mpi(MPI.COMM_SELF) is False  # the mpich wheel: no CUDA
+
+
+def test_peer_access_already_enabled_counts_as_reach():
+    """Threads of one process on several GPUs: enabling peer access that CuPy's own copies
+    enabled before raises cudaErrorPeerAccessAlreadyEnabled, which still means reach; any
+    other error means none (told by CUDA's error number, as CuPy tells it)."""
+    import types
+
+    class CUDARuntimeError(Exception):
+        def __init__(self, status):
+            super().__init__(f"error {status}")
+            self.status = status
+
+    def space_raising(status):
+        def enable(device):
+            raise CUDARuntimeError(status)
+
+        runtime = types.SimpleNamespace(
+            CUDARuntimeError=CUDARuntimeError, errorPeerAccessAlreadyEnabled=704,
+            deviceCanAccessPeer=lambda a, b: 1, deviceEnablePeerAccess=enable, getDevice=lambda: 0)
+
+        class Space(spaces.CudaSpace):
+            _cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+
+        return Space()
+
+    on_gpu_1 = types.SimpleNamespace(data=types.SimpleNamespace(device_id=1))
+    assert space_raising(704).kernels_reach(on_gpu_1) is True
+    assert space_raising(217).kernels_reach(on_gpu_1) is False  # cudaErrorPeerAccessUnsupported
+    on_gpu_0 = types.SimpleNamespace(data=types.SimpleNamespace(device_id=0))
+    assert space_raising(217).kernels_reach(on_gpu_0) is True  # its own device: no question
