@@ -62,7 +62,7 @@ _NEVER = float("inf")  # no deadline (float("inf") costs a call, on every small 
 
 
 def _env_bytes(name: str, default: int) -> int:
-    text = os.environ.get(name, "")
+    text = os.environ.get(name, "").strip()  # as every setting's spaces
     if not text:
         return default
     # isdigit() takes '²'; past MAX_ENV_BYTES numpy raised a bare MemoryError, or the node

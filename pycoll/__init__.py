@@ -16,7 +16,7 @@ from pycoll.api import (
     send,
 )
 from pycoll.bindings.local import Deadlock
-from pycoll.bindings.transport import CollectiveTimeout, PeerFailed
+from pycoll.bindings.transport import ChannelsCrossed, CollectiveTimeout, PeerFailed
 from pycoll.comm import Communicator, new_group, run_local, world
 from pycoll.kernels import ReduceOp
 from pycoll.verify import VerificationError
@@ -24,6 +24,7 @@ from pycoll.verify import VerificationError
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChannelsCrossed",
     "CollectiveMismatch",
     "CollectiveTimeout",
     "Communicator",

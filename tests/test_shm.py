@@ -13,10 +13,9 @@ import pytest
 from conftest import ALL_DTYPES, exact_input, ops_for
 
 import pycoll
-from pycoll import oracle
+from pycoll import ChannelsCrossed, oracle
 from pycoll.algorithms import families_for
 from pycoll.bindings import shm
-from pycoll.bindings.transport import ChannelsCrossed
 from pycoll.schedule import Collective
 
 RANKS = [1, 2, 3, 5]
@@ -388,6 +387,13 @@ def test_bad_settings_are_named(monkeypatch, name, value):
         monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
     with pytest.raises(ValueError, match=f"{name}='{value}' is invalid"):
         run(2, lambda r: pycoll.allreduce(np.ones(2)))
+
+
+def test_byte_settings_take_surrounding_spaces_as_every_setting_does(monkeypatch):
+    monkeypatch.setenv("PYCOLL_SHM_RING_BYTES", " 65536 ")
+    assert shm._env_bytes("PYCOLL_SHM_RING_BYTES", 1 << 20) == 65536
+    monkeypatch.setenv("PYCOLL_SHM_RING_BYTES", "  ")
+    assert shm._env_bytes("PYCOLL_SHM_RING_BYTES", 1 << 20) == 1 << 20
 
 
 @pytest.mark.parametrize("transport", ["shm", "auto"])
