@@ -28,7 +28,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TextIO
 
 import numpy as np
@@ -37,7 +37,7 @@ import pycoll
 from pycoll import oracle
 from pycoll.algorithms import families_for
 from pycoll.comm import Communicator
-from pycoll.kernels import ReduceOp, check_dtype
+from pycoll.kernels import SUPPORTED_DTYPES, ReduceOp, check_dtype, check_op_for_dtype
 from pycoll.schedule import REDUCING, ROOTED, SHARDED, Collective
 
 COLLECTIVES = {
@@ -154,11 +154,12 @@ def validate(options: Options) -> Collective:
             f"collective={options.collective!r} is unknown; allowed: {', '.join(COLLECTIVES)}"
         )
     collective = COLLECTIVES[options.collective]
-    if "," in str(options.dtype):  # numpy would read a structured dtype
+    if "," in str(options.dtype) or str(options.dtype).lower() == ALL:  # (numpy would read
+        # a structured dtype): combinations() gives each of a list its own Options
         raise ValueError(f"--dtype={options.dtype!r}: one dtype per run; allowed: one name "
-                         "(`pycoll bench kernels -d` takes a comma-separated list)")
+                         "(`pycoll bench` takes a comma-separated list or all)")
     check_dtype(options.dtype)
-    ReduceOp.parse(options.op)
+    check_op_for_dtype(ReduceOp.parse(options.op), options.dtype)
     if options.iters < 1 or options.warmup < 0:
         raise ValueError(f"--iters={options.iters} --warmup={options.warmup}; "
                          "allowed: iters >= 1, warmup >= 0")
@@ -189,6 +190,56 @@ def validate(options: Options) -> Collective:
             "half-precision reductions; use sum/prod/min/max on an MPI type"
         )
     return collective
+
+
+ALL = "all"  # -d all, -o all: as nccl-tests
+
+
+def combinations(options: Options) -> list[Options]:
+    """nccl-tests' ``-d`` and ``-o``: one name, a comma-separated list, or 'all'; one Options
+    per (dtype, op), dtypes outer, as nccl-tests loops (``-o`` only where the collective
+    reduces). 'all' takes every dtype of the device and every op, leaving out the pairs these
+    options cannot run (min and max of complex; --against mpi: avg, half precision); a pair
+    named in a list that cannot run is ``validate``'s error."""
+    from pycoll.kernels import table
+
+    on_gpu = [row.dtype.name for row in table.GPU_DTYPES]
+    every_dtype = on_gpu if options.device == "cuda" else [d.name for d in SUPPORTED_DTYPES]
+    dtypes = _listed(options.dtype, "--dtype", every_dtype, dtype_name)
+    reduces = COLLECTIVES.get(options.collective) in REDUCING
+    if reduces:
+        ops = _listed(options.op, "--op", [op.value for op in ReduceOp], str.lower)
+    else:  # as nccl-tests, the collective has no op: -o is not read (its name still checked)
+        ops = ["sum" if str(options.op).strip().lower() == ALL else options.op]
+    every = ALL in (str(options.dtype).strip().lower(),
+                    str(options.op).strip().lower() if reduces else "")
+    combos = []
+    for dtype in dtypes:
+        for op in ops:
+            combo = replace(options, dtype=dtype, op=op)
+            if every:
+                try:
+                    validate(combo)
+                except (ValueError, TypeError):
+                    continue  # 'all' means all these options can run
+            combos.append(combo)
+    if not combos:
+        raise ValueError(f"--dtype={options.dtype!r} --op={options.op!r}: no pair of them runs "
+                         "with these options")
+    return combos
+
+
+def _listed(text: str, flag: str, every: list[str], name: Callable[[str], str]) -> list[str]:
+    """A flag's comma-separated names (each read by ``name``), or ``every`` for 'all'."""
+    names = [name(part.strip()) for part in str(text).split(",") if part.strip()]
+    if ALL in (n.lower() for n in names):
+        if len(names) > 1:
+            raise ValueError(f"{flag}={text!r}: 'all' stands alone")
+        return every
+    if not names:
+        raise ValueError(f"{flag}={text!r} names nothing; allowed: a name, a comma-separated "
+                         "list, or all")
+    return list(dict.fromkeys(names))
 
 
 def run(options: Options, comm: Communicator, on_row: Callable[[Row], None] | None = None

@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--in-place", type=int, default=1, choices=(0, 1),
                        help="1: time and check each call in place too (nccl-tests' second set "
                             "of columns); 0: out of place only")
-    bench.add_argument("-d", "--dtype", default="float32", type=_dtype_name)
-    bench.add_argument("-o", "--op", default="sum")
+    bench.add_argument("-d", "--dtype", default="float32",
+                       help="dtype (default float32), a comma-separated list, or all")
+    bench.add_argument("-o", "--op", default="sum",
+                       help="sum (default), prod, min, max, avg, a comma-separated list, or all")
     bench.add_argument("-r", "--root", type=int, default=0)
     bench.add_argument("--algorithm", default="auto",
                        help="comma-separated families and/or auto, or 'all'")
@@ -265,7 +267,9 @@ def _bench(args: argparse.Namespace) -> int:
             roofline=args.roofline,
             in_place=bool(args.in_place),
         )
-        bench.validate(options)
+        runs = bench.combinations(options)  # one per (dtype, op) of -d and -o
+        for each in runs:
+            bench.validate(each)
         if args.backend != KERNEL_BACKENDS:
             raise ValueError(f"--backend={args.backend!r} is for `pycoll bench kernels` only; "
                              f"collective={args.collective!r} runs on --device")
@@ -298,13 +302,14 @@ def _bench(args: argparse.Namespace) -> int:
                              csv_path=args.csv,
                              out=sys.stderr if "-" in (args.json, args.csv) else None,
                              in_place=options.in_place)
+    def run_all(comm: pycoll.Communicator) -> list:
+        return [row for each in runs for row in bench.run(each, comm, stream)]
+
     try:
         if args.ranks is not None:
-            results = pycoll.run_local(args.ranks,
-                                       lambda: bench.run(options, pycoll.world(), stream))
-            rows, rank = results[0], 0
+            rows, rank = pycoll.run_local(args.ranks, lambda: run_all(pycoll.world()))[0], 0
         else:
-            rows, rank = bench.run(options, comm, stream), comm.rank
+            rows, rank = run_all(comm), comm.rank
             if options.device == "cuda" and size > 1:
                 # every rank unmaps its peers' CUDA IPC memory before any is freed (at exit
                 # the interpreter would free it in no order, still mapped); collective, as here

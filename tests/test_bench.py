@@ -99,7 +99,10 @@ def test_in_process_sweep_checks_every_size(collective, capsys, tmp_path):
     (["broadcast", "--ranks", "2", "--algorithm", "direct"], "has no broadcast schedule"),
     (["--ranks", "2", "-o", "mean"], "op='mean' is not a reduction"),
     (["--ranks", "2", "-d", "bool"], "dtype='bool' is not supported"),
-    (["--ranks", "2", "-d", "float32,float64"], "--dtype='float32,float64': one dtype per run"),
+    (["--ranks", "2", "-d", "float32,all"], "--dtype='float32,all': 'all' stands alone"),
+    (["--ranks", "2", "-o", " , "], "--op=' , ' names nothing"),
+    (["--ranks", "2", "-d", "float32,bool"], "dtype='bool' is not supported"),
+    (["--ranks", "2", "-d", "complex64", "-o", "sum,max"], "max is not defined for complex64"),
     (["nonsense", "--ranks", "2"], "collective='nonsense' is unknown"),
     (["--device", "cuda", "--against", "mpi"], "--against mpi times host arrays only"),
     (["--ranks", "2", "--algorithm", "all,ring"], "'all' stands alone"),
@@ -107,6 +110,43 @@ def test_in_process_sweep_checks_every_size(collective, capsys, tmp_path):
 def test_bad_options_are_named(args, message, capsys):
     assert main(["bench", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_dtypes_and_ops_take_lists_and_all_as_nccl_tests(capsys, tmp_path):
+    """nccl-tests' -d and -o take 'all' (a sweep of every type and op, each checked); here a
+    comma-separated list too. Rows come dtypes outer, ops inner, every size of each."""
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--ranks", "3", "-b", "8", "-e", "64", "-f", "8", "-n", "1", "-w", "0",
+                 "-d", "int8,float", "-o", "sum,MAX", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["type"], r["redop"], r["size"]) for r in rows] == [
+        (dtype, op, size) for dtype, sizes in (("int8", (8, 64)), ("float32", (8, 64)))
+        for op in ("sum", "max") for size in sizes]
+    assert all(r["wrong"] == 0 and r["in_place_wrong"] == 0 for r in rows)
+    assert main(["bench", "--ranks", "2", "-b", "16", "-e", "16", "-n", "1", "-w", "0", "-d",
+                 "all", "-o", "all", "--json", str(out)]) == 0
+    pairs = [(r["type"], r["redop"]) for r in json.loads(out.read_text())]
+    every = [(d.name, op.value) for d in pycoll.kernels.SUPPORTED_DTYPES for op in pycoll.ReduceOp
+             if not (d.kind == "c" and op.value in ("min", "max"))]  # complex has no order
+    assert pairs == every and "out of bounds values: 0 OK" in capsys.readouterr().out
+    assert main(["bench", "allgather", "--ranks", "2", "-b", "16", "-e", "16", "-n", "1", "-w",
+                 "0", "-d", "int32,uint8", "-o", "all", "--json", str(out)]) == 0
+    assert [(r["type"], r["redop"]) for r in json.loads(out.read_text())] == [
+        ("int32", "none"), ("uint8", "none")]  # no op: -o is not read
+
+
+def test_all_leaves_out_what_the_options_cannot_run():
+    """--against mpi has no avg and no half precision: 'all' skips them, a list names them."""
+    options = bench.Options(dtype="all", op="all", against="mpi")
+    pairs = {(o.dtype, o.op) for o in bench.combinations(options)}
+    assert ("float32", "sum") in pairs and ("int8", "max") in pairs
+    assert not {d for d, op in pairs} & {"float16", "bfloat16"}
+    assert not {op for d, op in pairs} & {"avg"}
+    runs = bench.combinations(bench.Options(dtype="float16,float32", op="sum", against="mpi"))
+    with pytest.raises(ValueError, match="--against mpi cannot run sum on float16"):
+        bench.validate(runs[0])
+    on_gpu = {o.dtype for o in bench.combinations(bench.Options(dtype="all", device="cuda"))}
+    assert on_gpu == {row.dtype.name for row in pycoll.kernels.table.GPU_DTYPES}  # no complex
 
 
 def test_against_native_mpi_under_mpiexec(tmp_path):
