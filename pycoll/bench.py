@@ -201,14 +201,11 @@ def combinations(options: Options) -> list[Options]:
     reduces). 'all' takes every dtype of the device and every op, leaving out the pairs these
     options cannot run (min and max of complex; --against mpi: avg, half precision); a pair
     named in a list that cannot run is ``validate``'s error."""
-    from pycoll.kernels import table
-
-    on_gpu = [row.dtype.name for row in table.GPU_DTYPES]
-    every_dtype = on_gpu if options.device == "cuda" else [d.name for d in SUPPORTED_DTYPES]
-    dtypes = _listed(options.dtype, "--dtype", every_dtype, dtype_name)
+    every_dtype = gpu_dtypes() if options.device == "cuda" else [d.name for d in SUPPORTED_DTYPES]
+    dtypes = listed(options.dtype, "--dtype", every_dtype, dtype_name)
     reduces = COLLECTIVES.get(options.collective) in REDUCING
     if reduces:
-        ops = _listed(options.op, "--op", [op.value for op in ReduceOp], str.lower)
+        ops = listed(options.op, "--op", [op.value for op in ReduceOp], str.lower)
     else:  # as nccl-tests, the collective has no op: -o is not read (its name still checked)
         ops = ["sum" if str(options.op).strip().lower() == ALL else options.op]
     every = ALL in (str(options.dtype).strip().lower(),
@@ -229,7 +226,14 @@ def combinations(options: Options) -> list[Options]:
     return combos
 
 
-def _listed(text: str, flag: str, every: list[str], name: Callable[[str], str]) -> list[str]:
+def gpu_dtypes() -> list[str]:
+    """The names of every dtype the GPU kernels reduce (``-d all`` on a GPU)."""
+    from pycoll.kernels import table
+
+    return [row.dtype.name for row in table.GPU_DTYPES]
+
+
+def listed(text: str, flag: str, every: list[str], name: Callable[[str], str]) -> list[str]:
     """A flag's comma-separated names (each read by ``name``), or ``every`` for 'all'."""
     names = [name(part.strip()) for part in str(text).split(",") if part.strip()]
     if ALL in (n.lower() for n in names):

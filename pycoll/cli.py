@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("-d", "--dtype", default="float32",
                        help="dtype (default float32), a comma-separated list, or all")
     bench.add_argument("-o", "--op", default="sum",
-                       help="sum (default), prod, min, max, avg, a comma-separated list, or all")
+                       help="sum (default), prod, min, max, avg; a comma-separated list, or all "
+                            "(kernels: one op)")
     bench.add_argument("-r", "--root", type=int, default=0)
     bench.add_argument("--algorithm", default="auto",
                        help="comma-separated families and/or auto, or 'all'")
@@ -302,7 +303,8 @@ def _bench(args: argparse.Namespace) -> int:
                              csv_path=args.csv,
                              out=sys.stderr if "-" in (args.json, args.csv) else None,
                              in_place=options.in_place)
-    def run_all(comm: pycoll.Communicator) -> list:
+
+    def run_all(comm: pycoll.Communicator) -> list[bench.Row]:
         return [row for each in runs for row in bench.run(each, comm, stream)]
 
     try:
@@ -527,7 +529,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
         _outputs(args.json, args.csv)
         sizes = bench.sizes(bench.parse_size(args.min_bytes, "--min-bytes"),
                             bench.parse_size(args.max_bytes, "--max-bytes"), args.step_factor)
-        dtypes = [bench.dtype_name(d.strip()) for d in args.dtype.split(",") if d.strip()]
+        dtypes = bench.listed(args.dtype, "--dtype", bench.gpu_dtypes(), bench.dtype_name)
         backends = [b.strip() for b in args.backend.split(",") if b.strip()]
         # Each row is printed (and the JSON rewritten) as measured: a killed run keeps them.
         counts = {"batch": args.iters, "warmup": args.warmup}
