@@ -754,6 +754,11 @@ def plan(
     if nbytes % dtype.itemsize:  # a call moves whole elements: 5 bytes of float32 was planned
         raise ValueError(f"plan: nbytes={nbytes!r} is no whole number of {dtype.name} elements; "
                          f"allowed: a multiple of {dtype.itemsize}")
+    if kind is Collective.ALLTOALL and nbytes // dtype.itemsize % comm.size:
+        raise ValueError(f"plan: nbytes={nbytes!r} is {nbytes // dtype.itemsize} {dtype.name} "
+                         f"elements, which do not divide into {comm.size} equal pieces (one per "
+                         f"rank) as alltoall's must; allowed: a multiple of "
+                         f"{dtype.itemsize * comm.size}")
     if not isinstance(device, bool | np.bool_):  # "no" planned for CUDA
         raise ValueError(f"plan: device={device!r} is invalid; allowed: True or False")
     if kind is Collective.ALLTOALL and algorithm == "auto":

@@ -154,12 +154,13 @@ def validate(options: Options) -> Collective:
             f"collective={options.collective!r} is unknown; allowed: {', '.join(COLLECTIVES)}"
         )
     collective = COLLECTIVES[options.collective]
-    if "," in str(options.dtype) or str(options.dtype).lower() == ALL:  # (numpy would read
-        # a structured dtype): combinations() gives each of a list its own Options
-        raise ValueError(f"--dtype={options.dtype!r}: one dtype per run; allowed: one name "
-                         "(`pycoll bench` takes a comma-separated list or all)")
+    for flag, text in (("--dtype", options.dtype), ("--op", options.op)):
+        if "," in str(text) or str(text).strip().lower() == ALL:  # (numpy would read a
+            # structured dtype): combinations() gives each of a list its own Options
+            raise ValueError(f"{flag}={text!r}: one per run; allowed: one name (`pycoll "
+                             "bench` takes a comma-separated list or all)")
     check_dtype(options.dtype)
-    check_op_for_dtype(ReduceOp.parse(options.op), options.dtype)
+    ReduceOp.parse(options.op)
     if options.iters < 1 or options.warmup < 0:
         raise ValueError(f"--iters={options.iters} --warmup={options.warmup}; "
                          "allowed: iters >= 1, warmup >= 0")
@@ -182,14 +183,27 @@ def validate(options: Options) -> Collective:
                          "shared")
     if options.against not in (None, "mpi"):
         raise ValueError(f"--against={options.against!r}; allowed: mpi")
-    if options.against == "mpi" and (
-        options.op == "avg" or np.dtype(options.dtype).name in ("float16", "bfloat16")
-    ):
-        raise ValueError(
-            f"--against mpi cannot run {options.op} on {options.dtype}: MPI has no avg and no "
-            "half-precision reductions; use sum/prod/min/max on an MPI type"
-        )
+    problem = pair_error(options, collective, options.dtype, options.op)
+    if problem:
+        raise ValueError(problem)
     return collective
+
+
+def pair_error(options: Options, collective: Collective | None, dtype: str, op: str
+               ) -> str | None:
+    """Why ``options`` cannot run this (dtype, op) pair (both valid names), or None. Only a
+    reducing collective reads the op."""
+    if collective not in REDUCING:
+        return None
+    parsed, name = ReduceOp.parse(op), np.dtype(check_dtype(dtype)).name
+    try:
+        check_op_for_dtype(parsed, name)
+    except ValueError as error:
+        return str(error)
+    if options.against == "mpi" and (parsed is ReduceOp.AVG or name in ("float16", "bfloat16")):
+        return (f"--against mpi cannot run {parsed.value} on {name}: MPI has no avg and no "
+                "half-precision reductions; use sum/prod/min/max on an MPI type")
+    return None
 
 
 ALL = "all"  # -d all, -o all: as nccl-tests
@@ -199,31 +213,38 @@ def combinations(options: Options) -> list[Options]:
     """nccl-tests' ``-d`` and ``-o``: one name, a comma-separated list, or 'all'; one Options
     per (dtype, op), dtypes outer, as nccl-tests loops (``-o`` only where the collective
     reduces). 'all' takes every dtype of the device and every op, leaving out the pairs these
-    options cannot run (min and max of complex; --against mpi: avg, half precision); a pair
-    named in a list that cannot run is ``validate``'s error."""
+    options cannot run (min and max of complex; --against mpi: avg, half precision), though a
+    name given beside it must keep one; a pair of two lists that cannot run is ``validate``'s
+    error. Names are checked whatever the other flag says."""
     every_dtype = gpu_dtypes() if options.device == "cuda" else [d.name for d in SUPPORTED_DTYPES]
-    dtypes = listed(options.dtype, "--dtype", every_dtype, dtype_name)
-    reduces = COLLECTIVES.get(options.collective) in REDUCING
-    if reduces:
-        ops = listed(options.op, "--op", [op.value for op in ReduceOp], str.lower)
-    else:  # as nccl-tests, the collective has no op: -o is not read (its name still checked)
-        ops = ["sum" if str(options.op).strip().lower() == ALL else options.op]
-    every = ALL in (str(options.dtype).strip().lower(),
-                    str(options.op).strip().lower() if reduces else "")
-    combos = []
-    for dtype in dtypes:
-        for op in ops:
-            combo = replace(options, dtype=dtype, op=op)
-            if every:
-                try:
-                    validate(combo)
-                except (ValueError, TypeError):
-                    continue  # 'all' means all these options can run
-            combos.append(combo)
-    if not combos:
-        raise ValueError(f"--dtype={options.dtype!r} --op={options.op!r}: no pair of them runs "
-                         "with these options")
-    return combos
+    # each name as numpy reads it ('f4', 'single': float32), so an alias is not swept twice
+    dtypes = dict.fromkeys(np.dtype(check_dtype(name)).name for name in
+                           listed(options.dtype, "--dtype", every_dtype, dtype_name))
+    collective = COLLECTIVES.get(options.collective)
+    ops = dict.fromkeys(ReduceOp.parse(name).value for name in
+                        listed(options.op, "--op", [op.value for op in ReduceOp], str.lower))
+    if collective not in REDUCING:  # as nccl-tests: -o is not read (its names still checked)
+        ops = {"sum": None}
+    pairs = [(dtype, op) for dtype in dtypes for op in ops]
+    every_given = tuple(str(text).strip().lower() == ALL for text in (options.dtype, options.op))
+    if any(every_given):
+        # 'all' means all that these options can run: pairs they cannot run are left out,
+        # but a name given in a list keeps one pair at least (or its first pair's error)
+        kept = [pair for pair in pairs if pair_error(options, collective, *pair) is None]
+        for side, named in enumerate((dtypes, ops)):
+            for name in [] if every_given[side] else named:
+                if not any(pair[side] == name for pair in kept):
+                    first = next(pair for pair in pairs if pair[side] == name)
+                    raise ValueError(pair_error(options, collective, *first))
+        pairs = kept
+    return [replace(options, dtype=dtype, op=op) for dtype, op in pairs]
+
+
+def check_sweeps(runs: list[Options], nranks: int) -> None:
+    """Refuse, before any is measured, runs of which one sweeps no whole element (-d all -e 3
+    measured the 1- and 2-byte dtypes, then stopped at int32)."""
+    for each in runs:
+        distinct_sizes(each, validate(each), np.dtype(check_dtype(each.dtype)), nranks)
 
 
 def gpu_dtypes() -> list[str]:
@@ -401,6 +422,8 @@ class _Case:
         from mpi4py import MPI
 
         c, x, out = self.collective, self.x, self.out
+        if c not in REDUCING:  # moved as bytes: any dtype (mpi4py has no bfloat16)
+            x, out = x.view(np.uint8), out.view(np.uint8)
         op = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[self.op]
         if c is Collective.ALLREDUCE:
             native.Allreduce(x, out, op=op)

@@ -167,7 +167,7 @@ def run(sizes: list[int], dtypes: list[str], backends: list[str], op: str = "sum
     checked = [table.gpu_dtype(name).dtype for name in dtypes]
     backends = [kernel_backend(b) for b in backends]
     if not gpu_available():
-        raise RuntimeError("pycoll bench kernels needs a CUDA GPU and CuPy; none found")
+        raise RuntimeError("no CUDA GPU with CuPy found; it measures a GPU's kernels")
     import cupy
 
     rows: list[KernelRow] = []

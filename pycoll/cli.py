@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="dtype (default float32), a comma-separated list, or all")
     bench.add_argument("-o", "--op", default="sum",
                        help="sum (default), prod, min, max, avg; a comma-separated list, or all "
-                            "(kernels: one op)")
+                            "(read where the collective reduces; kernels: one op)")
     bench.add_argument("-r", "--root", type=int, default=0)
     bench.add_argument("--algorithm", default="auto",
                        help="comma-separated families and/or auto, or 'all'")
@@ -165,9 +165,7 @@ def _ranks_flag(ranks: int | None) -> None:
     from pycoll.bindings.mpi import launched_by_mpi
 
     if launched_by_mpi():
-        import pycoll
-
-        size = pycoll.world().size
+        size = _mpi_world().Get_size()
         if size > 1:
             raise ValueError(
                 f"--ranks={ranks} runs in-process ranks, but this is one of {size} MPI "
@@ -181,9 +179,27 @@ def _rank() -> int:
 
     if not launched_by_mpi():
         return 0
-    import pycoll
+    return _mpi_world().Get_rank()
 
-    return pycoll.world().rank
+
+def _mpi_world():
+    """MPI_COMM_WORLD, for the command line's own checks: they make no pycoll communicator
+    (collective), which a rank whose settings are bad would never join."""
+    from pycoll.bindings.mpi import mpi
+
+    return mpi().COMM_WORLD
+
+
+def _settings_error() -> ValueError | None:
+    """What making a communicator would raise about this rank's PYCOLL_* settings: checked
+    with the command line, so that a rank whose environment differs stops every rank."""
+    from pycoll import comm
+
+    try:
+        comm.check_environment()
+    except ValueError as error:
+        return error
+    return None
 
 
 def _command_line_ok(command: str, error: Exception | None) -> bool:
@@ -192,16 +208,15 @@ def _command_line_ok(command: str, error: Exception | None) -> bool:
     once, naming the ranks when not all had it, and every rank stops, none left waiting."""
     from pycoll.bindings.mpi import launched_by_mpi
 
+    error = _settings_error() or error  # a bad setting first: the rest may follow from it
     messages = [None if error is None else str(error)]
     rank = 0
     if launched_by_mpi():
         try:
-            import pycoll
-
-            comm = pycoll.world()
-            rank = comm.rank
-            if comm.mpi_comm is not None and comm.size > 1:
-                messages = comm.mpi_comm.allgather(messages[0])
+            world = _mpi_world()
+            rank = world.Get_rank()
+            if world.Get_size() > 1:
+                messages = world.allgather(messages[0])
         except Exception:  # no working MPI: each rank says its own
             messages, rank = [None if error is None else str(error)], 0
     bad = [(r, m) for r, m in enumerate(messages) if m is not None]
@@ -305,6 +320,7 @@ def _bench(args: argparse.Namespace) -> int:
                              in_place=options.in_place)
 
     def run_all(comm: pycoll.Communicator) -> list[bench.Row]:
+        bench.check_sweeps(runs, comm.size)
         return [row for each in runs for row in bench.run(each, comm, stream)]
 
     try:
@@ -336,6 +352,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
     import pycoll
     from pycoll import bench, compare
+    from pycoll.bindings.mpi import launched_by_mpi
 
     try:
         options = bench.Options(
@@ -355,7 +372,8 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
         _ranks_flag(args.ranks)
         if args.output in ("", "-"):  # "" would name the current folder
             raise ValueError(f"--output {args.output!r}: not a file; allowed: a file path")
-        nranks = args.ranks if args.ranks is not None else pycoll.world().size
+        nranks = args.ranks if args.ranks is not None else (
+            _mpi_world().Get_size() if launched_by_mpi() else 1)
         for suffix in (".md", ".png"):  # the two files it writes (no --output: here)
             _writable(f"{args.output or f'compare-{args.collective}-{nranks}'}{suffix}",
                       "--output" if args.output else "without --output,", stdout=False)

@@ -667,6 +667,24 @@ def _timeout_from_env() -> float | None:
     return _valid_timeout(seconds, "PYCOLL_TIMEOUT")
 
 
+def check_environment() -> None:
+    """Raise what this rank's communicators would, later and one at a time, about its
+    PYCOLL_* settings: for a check before any is made (every rank together)."""
+    from pycoll.bindings import shm
+    from pycoll.schedule import Collective
+
+    select.check_settings()
+    select.forced_algorithm(Collective.ALLREDUCE)  # parses the whole of PYCOLL_ALGO
+    _timeout_from_env()
+    _host_transport_mode()
+    _device_transport_mode()
+    _ranks_per_node(1)
+    agree.enabled_by_default()
+    verification.enabled_by_default()
+    shm.ring_bytes_from_env()
+    shm.small_bytes_from_env()
+
+
 class _Freed:
     """The transport of a freed communicator: every use is an error."""
 

@@ -103,6 +103,13 @@ def test_in_process_sweep_checks_every_size(collective, capsys, tmp_path):
     (["--ranks", "2", "-o", " , "], "--op=' , ' names nothing"),
     (["--ranks", "2", "-d", "float32,bool"], "dtype='bool' is not supported"),
     (["--ranks", "2", "-d", "complex64", "-o", "sum,max"], "max is not defined for complex64"),
+    # beside 'all', the other flag's names and every other option are still checked
+    (["--ranks", "2", "-d", "float,bogus", "-o", "all"], "dtype='bogus' is not a dtype"),
+    (["--ranks", "2", "-d", "all", "-o", "sum,bogus"], "op='bogus' is not a reduction"),
+    (["--ranks", "2", "-d", "all", "-n", "0"], "--iters=0"),
+    (["alltoall", "--ranks", "2", "-d", "all", "--algorithm", "tree"], "has no alltoall"),
+    # every pair's sweep is checked before any is measured (int8's ran, then int16's stopped)
+    (["--ranks", "2", "-d", "all", "-b", "1", "-e", "1"], "--max-bytes=1 holds no whole element"),
     (["nonsense", "--ranks", "2"], "collective='nonsense' is unknown"),
     (["--device", "cuda", "--against", "mpi"], "--against mpi times host arrays only"),
     (["--ranks", "2", "--algorithm", "all,ring"], "'all' stands alone"),
@@ -145,8 +152,49 @@ def test_all_leaves_out_what_the_options_cannot_run():
     runs = bench.combinations(bench.Options(dtype="float16,float32", op="sum", against="mpi"))
     with pytest.raises(ValueError, match="--against mpi cannot run sum on float16"):
         bench.validate(runs[0])
+    for dtype, op, says in [("float16,float32", "all", "cannot run sum on float16"),
+                            ("all", "avg", "cannot run avg on int8")]:  # a name beside 'all'
+        with pytest.raises(ValueError, match=says):  # keeps a pair, or says why it cannot
+            bench.combinations(bench.Options(dtype=dtype, op=op, against="mpi"))
+    # only a reducing collective reads the op: moving data takes every dtype (as bytes)
+    for collective in ("broadcast", "allgather", "alltoall"):
+        moved = bench.combinations(bench.Options(collective, dtype="all", op="max",
+                                                 against="mpi"))
+        assert [o.dtype for o in moved] == [d.name for d in pycoll.kernels.SUPPORTED_DTYPES]
+        assert all(bench.validate(o) for o in moved)
+    aliases = bench.combinations(bench.Options(dtype="f4,float32,FLOAT,single"))
+    assert [o.dtype for o in aliases] == ["float32"]  # one dtype, however it is spelt
     on_gpu = {o.dtype for o in bench.combinations(bench.Options(dtype="all", device="cuda"))}
     assert on_gpu == {row.dtype.name for row in pycoll.kernels.table.GPU_DTYPES}  # no complex
+
+
+@pytest.mark.parametrize("command", ["bench", "compare"])
+def test_a_bad_setting_on_one_rank_stops_every_rank_and_is_said_once(command, tmp_path):
+    """A rank whose PYCOLL_SEGMENTS was bad stopped at once; its peers waited forever in
+    making the world (collective) it never joined. The settings are now checked with the
+    command line, which the ranks agree on."""
+    args = [sys.executable, "-P", "-m", "pycoll", command, "-e", "64", "-n", "1", "-w", "0",
+            "--output" if command == "compare" else "--json", str(tmp_path / "out")]
+    done = subprocess.run([mpiexec(), "-n", "1", "env", "PYCOLL_SEGMENTS=x", *args, ":",
+                           "-n", "2", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("PYCOLL_SEGMENTS='x' is invalid") == 1, done.stderr
+    assert f"pycoll {command} (rank 0): PYCOLL_SEGMENTS='x' is invalid" in done.stderr
+
+
+def test_a_data_mover_times_every_dtype_against_native_mpi_as_bytes(tmp_path):
+    """mpi4py has no bfloat16 (and MPI no half-precision reductions): AllGather, Broadcast
+    and AllToAll move bytes, so --against mpi times them on every dtype."""
+    out = tmp_path / "rows.json"
+    for collective in ("allgather", "broadcast", "alltoall"):
+        done = subprocess.run(
+            [mpiexec(), "-n", "2", sys.executable, "-m", "pycoll", "bench", collective, "-b",
+             "64", "-e", "64", "-n", "1", "-w", "0", "-d", "bfloat16,complex128,int8",
+             "--against", "mpi", "--json", str(out)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        rows = json.loads(out.read_text())
+        assert [r["type"] for r in rows] == ["bfloat16", "complex128", "int8"]
+        assert all(r["native_time_us"] > 0 and r["wrong"] == 0 for r in rows)
 
 
 def test_against_native_mpi_under_mpiexec(tmp_path):
@@ -202,7 +250,8 @@ def test_kernel_bench_says_plainly_when_there_is_no_gpu(capsys):
     if bench_kernels.gpu_available():
         pytest.skip("a GPU is present: the measuring test below runs instead")
     assert main(["bench", "kernels", "-b", "1M", "-e", "1M"]) == 2
-    assert "needs a CUDA GPU and CuPy; none found" in capsys.readouterr().err
+    assert capsys.readouterr().err == ("pycoll bench kernels: no CUDA GPU with CuPy found; it "
+                                       "measures a GPU's kernels\n")  # its name said once
 
 
 def test_device_bench_says_plainly_when_there_is_no_gpu(capsys):

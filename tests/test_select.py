@@ -161,6 +161,8 @@ def test_algorithm_argument_lets_the_model_pick_only_the_segments():
     (("allreduce", -1), "plan: nbytes=-1 is invalid"),
     (("allreduce", 6), "plan: nbytes=6 is no whole number of float32 elements; allowed: a "
                        "multiple of 4"),
+    (("alltoall", 12), "plan: nbytes=12 is 3 float32 elements, which do not divide into 2 "
+                       "equal pieces"),
     (("broadcast", 8), "plan: root=9 is not a rank"),
     (("reduce", 8), "plan: device='no' is invalid; allowed: True or False"),  # planned CUDA
 ])

@@ -108,6 +108,10 @@ def test_compare_measures_each_element_count_once(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["compare", "alltoall", "--ranks", "2"], "nothing to compare"),
+    # bench takes lists; compare one of each ("op='sum,max' is not a reduction")
+    (["compare", "allreduce", "--ranks", "2", "-o", "sum,max"], "--op='sum,max': one per run; "
+                                                                 "allowed: one name"),
+    (["compare", "allreduce", "--ranks", "2", "-d", "all"], "--dtype='all': one per run"),
     (["compare", "foo", "--ranks", "2"], "allowed: allreduce, reduce_scatter, allgather, "
                                          "broadcast, reduce\n"),
     # no swept size holds a whole element (it priced 0 B, then scanned sizes 0, 0, ...)
