@@ -43,6 +43,9 @@ class Communicator:
     """
 
     def __init__(self, mpi_comm: Any = None):
+        # first: a rank whose settings are bad raises below, alone, while its peers go on to
+        # make the world together; uncaught, its error must end the job, not leave them
+        _abort_job_on_uncaught_exception()
         select.check_settings()
         MPI = mpi()
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
@@ -52,7 +55,6 @@ class Communicator:
                             "intracommunicator (MPI.Intracomm, not COMM_NULL)")
         self.mpi_comm = parent
         self._owns_mpi_comm = False
-        _abort_job_on_uncaught_exception()
         self._attach(MPITransport(parent.Dup()), MPITransport(parent.Dup()))
         self.nodes()  # collective (a shared-memory split): here, where every rank is
 

@@ -415,6 +415,25 @@ def test_a_killed_rank_ends_the_job_and_shared_memory_adds_no_leftovers(mode):
     assert len(left["auto"]) <= len(left["mpi"]), left
 
 
+def test_a_rank_with_a_bad_setting_ends_the_job_instead_of_leaving_its_peers():
+    """Rank 0 alone started with PYCOLL_SEGMENTS=x: it raised in making the world, before the
+    hook that ends the job on an uncaught error was installed, and exited; the others waited
+    in making the world until killed."""
+    started = time.monotonic()
+    before = shm_files()
+    program = ["-c", "import numpy, pycoll; pycoll.allreduce(numpy.ones(2)); print('finished')"]
+    done = subprocess.run(
+        [mpiexec(), "-n", "1", "env", "PYCOLL_SEGMENTS=x", sys.executable, *program, ":",
+         "-n", "2", sys.executable, *program], capture_output=True, text=True, timeout=120)
+    for name in shm_files() - before:  # MPICH's own segment, left by MPI_Abort: not ours
+        Path("/dev/shm", name).unlink(missing_ok=True)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "finished" not in output, output
+    assert ("pycoll: rank 0 raised ValueError: PYCOLL_SEGMENTS='x' is invalid; allowed: an int "
+            "in 1..1024, or unset; aborting the job") in output
+    assert time.monotonic() - started < 60
+
+
 @pytest.mark.parametrize("mode", ["raise", "raise-own", "raise-thread", "bad-input"])
 def test_a_failing_rank_ends_the_job_quickly(mode):
     started = time.monotonic()
