@@ -110,6 +110,13 @@ if ! numba_compiles; then
   { echo "$said"; echo "numba-cuda's last words:"; tail -n 5 "$work/numba-compile.txt"; } \
     | tee -a "$out/environment.txt"
 fi
+# `python -m mpi4py SCRIPT` (the GPU tests' launcher) puts SCRIPT's folder in the place of
+# sys.path[0], which under PYTHONSAFEPATH is PYTHONPATH's first entry: pycoll's (or numpy
+# 2.4's) folder, and every rank then failed with "No module named 'pycoll'" (seen under
+# Python 3.12 with this layout). An empty folder first takes that place.
+spare=$(mktemp -d)
+trap 'rm -rf "$site" "$prefix" "$numpy_prefix" "$work" "$spare"' EXIT
+export PYTHONPATH="$spare:$PYTHONPATH"
 
 # 0. Preflight, for reading a failed run: what CuPy and Numba see, and one tiny kernel each.
 timeout "$(within 60)" "$python" -P -c "
