@@ -182,6 +182,15 @@ def _rank() -> int:
     return _mpi_world().Get_rank()
 
 
+def _nranks(ranks: int | None) -> int:
+    """The rank count a command runs at: --ranks in-process, else the MPI job's (1 alone)."""
+    from pycoll.bindings.mpi import launched_by_mpi
+
+    if ranks is not None:
+        return ranks
+    return _mpi_world().Get_size() if launched_by_mpi() else 1
+
+
 def _mpi_world():
     """MPI_COMM_WORLD, for the command line's own checks: they make no pycoll communicator
     (collective), which a rank whose settings are bad would never join."""
@@ -284,12 +293,11 @@ def _bench(args: argparse.Namespace) -> int:
             in_place=bool(args.in_place),
         )
         runs = bench.combinations(options)  # one per (dtype, op) of -d and -o
-        for each in runs:
-            bench.validate(each)
         if args.backend != KERNEL_BACKENDS:
             raise ValueError(f"--backend={args.backend!r} is for `pycoll bench kernels` only; "
                              f"collective={args.collective!r} runs on --device")
         _ranks_flag(args.ranks)
+        bench.check_sweeps(runs, _nranks(args.ranks))  # every pair, before any is measured
         _outputs(args.json, args.csv)
         if args.ranks is not None and args.against:
             raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
@@ -320,7 +328,6 @@ def _bench(args: argparse.Namespace) -> int:
                              in_place=options.in_place)
 
     def run_all(comm: pycoll.Communicator) -> list[bench.Row]:
-        bench.check_sweeps(runs, comm.size)
         return [row for each in runs for row in bench.run(each, comm, stream)]
 
     try:
@@ -352,7 +359,6 @@ def _bench(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
     import pycoll
     from pycoll import bench, compare
-    from pycoll.bindings.mpi import launched_by_mpi
 
     try:
         options = bench.Options(
@@ -372,8 +378,7 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
         _ranks_flag(args.ranks)
         if args.output in ("", "-"):  # "" would name the current folder
             raise ValueError(f"--output {args.output!r}: not a file; allowed: a file path")
-        nranks = args.ranks if args.ranks is not None else (
-            _mpi_world().Get_size() if launched_by_mpi() else 1)
+        nranks = _nranks(args.ranks)
         for suffix in (".md", ".png"):  # the two files it writes (no --output: here)
             _writable(f"{args.output or f'compare-{args.collective}-{nranks}'}{suffix}",
                       "--output" if args.output else "without --output,", stdout=False)
