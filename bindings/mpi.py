@@ -96,6 +96,11 @@ class MPITransport:
         if short is not None:
             raise counts_disagree(self.rank, *short)
 
+    def forget(self, request: Any) -> None:
+        """Drop what a wait of ``request`` would need: nobody will wait for it."""
+        self._expected.pop(id(request), None)
+        self._peer_of.pop(id(request), None)
+
     def test(self, request: Any) -> bool:
         """Whether ``request`` completed; never blocks, and leaves it to waitall (its
         status, whose count waitall checks, and its error: a truncated receive is done)."""

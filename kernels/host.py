@@ -129,7 +129,8 @@ def check_op_for_dtype(op: ReduceOp, dtype: object) -> None:
     dt = check_dtype(dtype)
     if dt in _COMPLEX_DTYPES and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise ValueError(
-            f"{op.value} is not defined for {dt.name}; allowed ops for complex: sum, prod, avg"
+            f"op={op.value!r} is not defined for {dt.name}; allowed for complex: 'sum', 'prod', "
+            "'avg'"
         )
 
 

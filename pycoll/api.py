@@ -842,11 +842,15 @@ def _algorithm(algorithm: Any, collective: Collective) -> None:
     """Raise unless ``algorithm`` is 'auto' (and ``PYCOLL_ALGO`` reads) or names a family
     with a schedule for ``collective``."""
     if not isinstance(algorithm, str):
-        raise TypeError(f"algorithm={algorithm!r} is not a name; allowed: 'auto' or a family name")
+        raise TypeError(f"{collective.value}: algorithm={algorithm!r} is not a name; allowed: "
+                        "'auto' or a family name")
     if algorithm == "auto":
         select.forced_algorithm(collective)
     else:
-        algorithms.check_family(algorithm, collective)
+        try:
+            algorithms.check_family(algorithm, collective)
+        except ValueError as error:
+            raise ValueError(f"{collective.value}: {error}") from None
 
 
 def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs: Any) -> Any:
@@ -947,10 +951,13 @@ _OPS_BY_NAME = {op.value: op for op in ReduceOp}
 def _op(op: OpLike, x: Array, collective: str) -> ReduceOp:
     """The parsed ``op``, for an ``x`` already checked by ``_space``."""
     parsed = op if isinstance(op, ReduceOp) else _OPS_BY_NAME.get(op) if type(op) is str else None
-    if parsed is None:
-        parsed = ReduceOp.parse(op)  # other spellings, or the error naming the allowed ones
-    if x.dtype.kind == "c":
-        check_op_for_dtype(parsed, x.dtype)
+    try:
+        if parsed is None:
+            parsed = ReduceOp.parse(op)  # other spellings, or the error naming the allowed ones
+        if x.dtype.kind == "c":
+            check_op_for_dtype(parsed, x.dtype)
+    except ValueError as error:  # named by the call, as every other argument's error is
+        raise ValueError(f"{collective}: {error}") from None
     return parsed
 
 

@@ -374,11 +374,16 @@ class Communicator:
         local = [r for r in range(self.size) if nodes[r] == nodes[self.rank]]
         if self.mpi_comm is not None:
             self.all_arrive("the first collective (connecting shared memory)")
-            self._node_comm = self.mpi_comm.Split(nodes[self.rank], self.rank)
+            # on pycoll's duplicate: this runs in the first collective, maybe on the async
+            # worker, beside the program's own calls on its communicator
+            self._node_comm = self.transport.comm.Split(nodes[self.rank], self.rank)
             if len(local) == 1:
                 return self.transport
             segments = shm.MpiSegments(self._node_comm, shm.segment_bytes(len(local), ring, small))
-            check = None  # a rank that dies takes the MPI job down
+            # A rank that dies takes the MPI job down; what a wait in shared memory owes MPI
+            # is progress: MPICH moves a large message only while its receiver calls MPI, and
+            # a Send into this rank's posted Recv would wait for as long as this rank polls.
+            check = _progress_of(self.p2p.comm)
         else:
             host = self.transport
             if len(local) == 1:
@@ -485,7 +490,9 @@ class Communicator:
     def _group_device_transport(self, space: Any) -> Any:
         if self.mpi_comm is None:
             return _in_process_device_transport(space, self.transport, self.nodes())
-        return _mpi_device_transport(self.mpi_comm, space, self.nodes())
+        # pycoll's duplicate, as for the node split; the user's for its info (CUDA-aware)
+        return _mpi_device_transport(self.transport.comm, space, self.nodes(),
+                                     info_from=self.mpi_comm)
 
     def _pair_device_transport(self, space: Any, peer: int, route: tuple[int, int]) -> Any:
         pair = sorted((self.rank, peer))
@@ -829,10 +836,25 @@ def _in_process_device_transport(space: Any, host: Any, nodes: list[int]) -> Any
     )
 
 
-def _mpi_device_transport(mpi_comm: Any, space: Any, nodes: list[int]) -> Any:
+def _progress_of(mpi_comm: Any) -> Callable[[list[int]], None]:
+    """A shared-memory wait's hook, now and then: one MPI call that polls, so that MPI's
+    own messages move meanwhile (MPICH progresses every request of the process in it)."""
+    from pycoll.bindings.mpi import mpi
+
+    any_source, any_tag = mpi().ANY_SOURCE, mpi().ANY_TAG
+
+    def progress(awaited: list[int]) -> None:
+        mpi_comm.Iprobe(any_source, any_tag)
+
+    return progress
+
+
+def _mpi_device_transport(mpi_comm: Any, space: Any, nodes: list[int],
+                          info_from: Any = None) -> Any:
     """CUDA IPC to the ranks of this node, MPI (CUDA-aware or staged) to the others
     (``nodes[r]``: rank r's node, as ``Communicator.nodes`` gives it: simulated nodes are
-    parts of real ones, so IPC reaches within them too)."""
+    parts of real ones, so IPC reaches within them too). Whether MPI takes device memory is
+    read from ``info_from``'s info (default: ``mpi_comm``'s)."""
     from pycoll.bindings.staged import StagedTransport, cuda_aware_mpi
 
     mode = _device_transport_mode()
@@ -846,7 +868,8 @@ def _mpi_device_transport(mpi_comm: Any, space: Any, nodes: list[int]) -> Any:
         lambda: PeerMemoryTransport(
             space, access(), MPITransport(mpi_comm.Dup()), MPITransport(mpi_comm.Dup()),
         ),
-        lambda: StagedTransport(space, MPITransport(mpi_comm.Dup()), cuda_aware_mpi(mpi_comm)),
+        lambda: StagedTransport(space, MPITransport(mpi_comm.Dup()), cuda_aware_mpi(
+            mpi_comm if info_from is None else info_from)),
     )
 
 

@@ -108,8 +108,8 @@ def allreduce(inputs: Sequence[np.ndarray], op: object) -> np.ndarray:
             )
     if arrays[0].dtype.kind == "c" and name in ("min", "max"):
         raise ValueError(
-            f"{name} is not defined for {arrays[0].dtype.name}; "
-            "allowed ops for complex: sum, prod, avg"
+            f"op={name!r} is not defined for {arrays[0].dtype.name}; "
+            "allowed for complex: 'sum', 'prod', 'avg'"
         )
     total = arrays[0].copy()
     for x in arrays[1:]:

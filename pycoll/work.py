@@ -64,6 +64,14 @@ class Posted(Work):
     def done(self) -> bool:
         return self._waited or self._transport.test(self._request)
 
+    def __del__(self) -> None:
+        # Dropped unwaited (torch's isend allows it): the transport's bookkeeping for its
+        # wait goes too; the communicator holds the request until MPI is done with it.
+        if not getattr(self, "_waited", True):
+            forget = getattr(self._transport, "forget", None)
+            if forget is not None:
+                forget(self._request)
+
     def wait(self) -> Any:
         if not self._waited:
             try:

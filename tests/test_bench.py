@@ -102,7 +102,7 @@ def test_in_process_sweep_checks_every_size(collective, capsys, tmp_path):
     (["--ranks", "2", "-d", "float32,all"], "--dtype='float32,all': 'all' stands alone"),
     (["--ranks", "2", "-o", " , "], "--op=' , ' names nothing"),
     (["--ranks", "2", "-d", "float32,bool"], "dtype='bool' is not supported"),
-    (["--ranks", "2", "-d", "complex64", "-o", "sum,max"], "max is not defined for complex64"),
+    (["--ranks", "2", "-d", "complex64", "-o", "sum,max"], "op='max' is not defined for complex64"),
     # beside 'all', the other flag's names and every other option are still checked
     (["--ranks", "2", "-d", "float,bogus", "-o", "all"], "dtype='bogus' is not a dtype"),
     (["--ranks", "2", "-d", "all", "-o", "sum,bogus"], "op='bogus' is not a reduction"),

@@ -427,7 +427,7 @@ def test_reduce_into_rejects_unsupported_arrays(arr: np.ndarray) -> None:
 @pytest.mark.parametrize("op", [ReduceOp.MIN, ReduceOp.MAX], ids=lambda o: o.value)
 def test_min_max_on_complex_rejected(dt: type, op: ReduceOp) -> None:
     name = np.dtype(dt).name
-    msg = rf"^{op.value} is not defined for {name}; allowed ops for complex: sum, prod, avg$"
+    msg = rf"^op='{op.value}' is not defined for {name}; allowed for complex: 'sum', 'prod', 'avg'$"
     with pytest.raises(ValueError, match=msg):
         check_op_for_dtype(op, dt)
     a = np.zeros(2, dtype=dt)

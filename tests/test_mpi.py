@@ -347,7 +347,7 @@ def test_async_collectives_overlap_between_processes(transport):
     done = launch(3, str(HERE / "asynchronous.py"), PYCOLL_HOST_TRANSPORT=transport)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "async on 3 ranks: 18 of 18 right" in output
+    assert "async on 3 ranks: 27 of 27 right" in output
 
 
 @pytest.mark.parametrize("nranks,transport", [(2, "mpi"), (3, "auto")])

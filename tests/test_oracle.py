@@ -113,7 +113,7 @@ def test_bad_op_rejected(bad: object) -> None:
 @pytest.mark.parametrize("op", ["min", "max"])
 def test_min_max_on_complex_rejected(dt: type, op: str) -> None:
     name = np.dtype(dt).name
-    with pytest.raises(ValueError, match=rf"{op} is not defined for {name}; allowed ops"):
+    with pytest.raises(ValueError, match=rf"op='{op}' is not defined for {name}; allowed"):
         oracle.allreduce(seed(np.dtype(dt)), op)
 
 
