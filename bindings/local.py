@@ -70,6 +70,10 @@ class LocalWorld:
         # queued. Threads parked in Work.wait() can post nothing until that work finishes.
         self.busy_workers = 0
         self._parked: dict[tuple[int, int], tuple[str, list]] = {}  # -> (what, its futures)
+        # (rank, thread) -> [world ranks awaited, idle checks since anything changed]: threads
+        # that poll shared memory, which the world sees only through check_waiting. An entry
+        # of a thread that found its data and left stays until it waits, posts or returns.
+        self._polling: dict[tuple[int, int], list] = {}
         self._finished: set[int] = set()
         self.failure: BaseException | None = None
         self.failed_rank: int | None = None
@@ -97,7 +101,21 @@ class LocalWorld:
     def finish(self, rank: int) -> None:
         with self._lock:
             self._finished.add(rank)
+            for me in [me for me in self._polling if me[0] == rank]:
+                del self._polling[me]
             self._wake_everyone()
+
+    def forget_polling(self, rank: int, thread: int | None) -> None:
+        """``thread`` of ``rank`` polls no more (an async worker gone idle). Under the lock."""
+        self._polling.pop((rank, thread), None)
+
+    def changed(self) -> None:
+        """Something moved or may move (a message, a thread newly blocked, a worker given
+        work): what the polling threads saw before no longer rules anything out. Under the
+        lock."""
+        self._last_progress = time.monotonic()
+        for entry in self._polling.values():
+            entry[1] = 0
 
     def close(self, why: str = "the run_local that made this communicator has returned; use "
               "a communicator within the run that made it") -> None:
@@ -118,9 +136,12 @@ class LocalWorld:
                 f"({type(self.failure).__name__}: {self.failure}); this collective cannot complete"
             )
 
-    def check_waiting(self, rank: int, awaited: list[int]) -> None:
-        """For ranks that wait by polling shared memory: raise if the world failed, or if
-        every rank awaited has returned (nothing more can arrive from them)."""
+    def check_waiting(self, rank: int, awaited: list[int], moved: bool = True) -> None:
+        """For ranks that wait by polling shared memory, now and then after a poll that found
+        nothing (``moved``: the rank wrote or read anything since its last call): raise if
+        the world failed, if every rank awaited has returned (nothing more can arrive from
+        them), or if every thread that could write waits too."""
+        me = (rank, threading.get_ident())
         with self._lock:
             self._raise_if_failed(rank)
             if awaited and all(peer in self._finished for peer in awaited):
@@ -132,6 +153,14 @@ class LocalWorld:
                     self.failure, self.failed_rank = error, rank
                 self._wake_everyone()
                 raise error
+            entry = self._polling.get(me)
+            if moved or entry is None or entry[0] != sorted(awaited):
+                self._polling[me] = [sorted(awaited), 0]
+                self.changed()  # a thread newly blocked, or one whose writes may free others
+            else:
+                entry[1] += 1
+            if self._nobody_can_progress():
+                self._report_deadlock()
 
     def post(self, request: _Request, channel: str, messages_only: bool = False) -> _Request:
         """Match ``request`` with its partner, if posted, and copy. A size mismatch fails the
@@ -146,7 +175,8 @@ class LocalWorld:
         with self._lock:
             self._raise_if_failed(request.rank)
             self._posters.add(threading.current_thread())
-            self._last_progress = time.monotonic()
+            self._polling.pop((request.rank, threading.get_ident()), None)  # it polls no more
+            self.changed()
             waiting = theirs.get(key)
             if not waiting:
                 mine[key].append(request)
@@ -174,7 +204,7 @@ class LocalWorld:
             raise
         with self._lock:
             send._done = recv._done = True
-            self._last_progress = time.monotonic()
+            self.changed()
             self._wakeup[send.rank].notify_all()
             self._wakeup[recv.rank].notify_all()
         return request
@@ -185,6 +215,8 @@ class LocalWorld:
         deadline = None if timeout is None else time.monotonic() + timeout
         me = (rank, threading.get_ident())
         with self._lock:
+            if self._polling.pop(me, None) is not None or not all(r._done for r in requests):
+                self.changed()  # blocked here now, not polling
             for request in requests:
                 while not request._done:
                     self._raise_if_failed(rank)
@@ -206,7 +238,9 @@ class LocalWorld:
         it counts as blocked while any of them is unfinished."""
         me = (rank, threading.get_ident())
         with self._lock:
+            self._polling.pop(me, None)
             self._parked[me] = (what, futures)
+            self.changed()
             self._wake_everyone()  # the last thread to block lets the waiters judge
         try:
             yield
@@ -215,11 +249,15 @@ class LocalWorld:
                 del self._parked[me]
 
     def _nobody_can_progress(self) -> bool:
-        """Every thread that could post blocks: each live rank's own (in a wait or parked on
-        its async work), every busy async worker and every thread a rank started, and no
-        awaited message has completed."""
+        """Every thread that could post blocks: each live rank's own (in a wait, parked on
+        its async work, or polling shared memory), every busy async worker and every thread a
+        rank started, and no awaited message has completed. A polling thread counts once it
+        has found nothing twice since the last change: its second look began after the
+        change, so it saw every write made before it (and a thread blocked writes nothing)."""
         threads = self.nranks - len(self._finished) + self.busy_workers
-        blocked = len(self._waiting) + sum(
+        if any(checks < 2 for _, checks in self._polling.values()):
+            return False
+        blocked = len(self._waiting) + len(self._polling) + sum(
             not all(f.done() for f in futures) for _, futures in self._parked.values()
         )
         if blocked < threads:  # the common verdict, without counting the ranks' threads
@@ -250,13 +288,17 @@ class LocalWorld:
              for (rank, _), request in sorted(self._waiting.items())]
             + [f"rank {rank} waits for its {what}"
                for (rank, _), (what, _) in sorted(self._parked.items())]
+            + [f"rank {rank} waits in shared memory for rank(s) "
+               f"{', '.join(map(str, sorted(awaited)))}"
+               for (rank, _), (awaited, _) in sorted(self._polling.items())]
         )
         done = sorted(self._finished)
         error = Deadlock(
             f"deadlock: {waits}" + (f"; ranks {done} already returned" if done else "")
         )
         if self.failure is None:
-            self.failure, self.failed_rank = error, min(self._waiting)[0]
+            self.failure, self.failed_rank = error, min(
+                [*self._waiting, *self._parked, *self._polling])[0]
         self._wake_everyone()
         raise error
 

@@ -108,7 +108,7 @@ class ThreadSegments:
     then waits for the others'. ``ranks``: the node's ranks (what ``check`` is told)."""
 
     def __init__(self, shared: dict, key: Any, index: int, ranks: list[int], nbytes: int,
-                 check: Callable[[list[int]], None] | None = None,
+                 check: Callable[[list[int], bool], None] | None = None,
                  timeout: float | None = None):
         count = len(ranks)
         self.segments = shared.setdefault((key, "segments"), [None] * count)
@@ -125,10 +125,13 @@ class ThreadSegments:
         """Wait for every rank of the node; past the timeout, WaitTimeout naming the others."""
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
 
+        moved = [True]  # this rank's arrival, before its first look
+
         def check(missing: list[int]) -> None:
             ranks = [self._ranks[i] for i in missing]
             if self._check:
-                self._check(ranks)
+                self._check(ranks, moved[0])
+                moved[0] = False
             if deadline is not None and time.monotonic() > deadline:
                 raise WaitTimeout(ranks, self._timeout)
 
@@ -209,8 +212,9 @@ class SharedMemoryTransport:
 
     ``segments``: the node's shared segments (``MpiSegments`` or ``ThreadSegments``), made
     with at least :func:`segment_bytes` bytes each; ``local``: the ranks (of this transport's
-    group) on this node, in segment order; ``check(ranks)``: called while waiting for
-    ``ranks``, raises if the group failed or those ranks can no longer send (in-process).
+    group) on this node, in segment order; ``check(ranks, moved)``: called now and then while
+    waiting for ``ranks`` (``moved``: whether this rank wrote or read anything since its last
+    call), raises if the group failed or those ranks can no longer send (in-process).
     """
 
     delivers = True  # irecv takes ``combine``: reductions read the ring or window in place
@@ -223,13 +227,14 @@ class SharedMemoryTransport:
     def __init__(
         self, segments: Any, rank: int, size: int, local: list[int],
         ring_bytes: int = RING_BYTES, small_bytes: int = SMALL_BYTES,
-        check: Callable[[list[int]], None] | None = None,
+        check: Callable[[list[int], bool], None] | None = None,
     ):
         self.rank, self.size, self.local = rank, size, list(local)
         self.peers = self.local  # the ranks this endpoint reaches
         self._segments = segments
         self._fence = segments.fence
         self._check = check
+        self._moved = True  # what check is told: see waitall
         self._index = {r: i for i, r in enumerate(self.local)}
         self._me = self._index[rank]
         count = len(self.local)
@@ -352,6 +357,7 @@ class SharedMemoryTransport:
                     r.after, before = before, r
         pending = [r for r in requests if not r.done_]
         idle = 0
+        self._moved = True  # (for check) this rank may have written since its last look
         self._deadline = _NEVER if self.timeout is None else time.monotonic() + self.timeout
         crossed = None  # made at the first idle poll: most waits never poll idly
         while pending:
@@ -362,6 +368,7 @@ class SharedMemoryTransport:
             pending[:] = [r for r in pending if not r.done_]  # in place: crossed reads it
             if progressed:
                 idle = 0
+                self._moved = True
             elif pending:
                 if crossed is None:
                     def crossed(pending: list = pending) -> None:
@@ -410,7 +417,8 @@ class SharedMemoryTransport:
                 if crossed is not None:
                     crossed()
                 if self._check is not None:
-                    self._check([self.local[i] for i in peers])
+                    self._check([self.local[i] for i in peers], self._moved)
+                    self._moved = False
                 if time.monotonic() > self._deadline:
                     raise WaitTimeout(sorted(self.local[i] for i in peers), self.timeout)
             os.sched_yield() if idle < 20000 else time.sleep(50e-6)
@@ -594,6 +602,7 @@ class SharedMemoryTransport:
         views, signature = entry
         slots = views[seq & 1]
         self._deadline = _NEVER if self.timeout is None else time.monotonic() + self.timeout
+        self._moved = True
         slots[self._me][...] = x
         flag = self._layout.small_flag
         agreed = flag + 1 + (seq & 1)  # per slot: a peer one call ahead writes the other

@@ -390,8 +390,8 @@ class Communicator:
                 return self.transport
             world, world_rank = host.world, host.world_rank
 
-            def check(awaited: list[int]) -> None:
-                world.check_waiting(world_rank, [host.members[r] for r in awaited])
+            def check(awaited: list[int], moved: bool) -> None:
+                world.check_waiting(world_rank, [host.members[r] for r in awaited], moved)
 
             segments = shm.ThreadSegments(
                 world.shared, (host.channel, "shm", nodes[self.rank]), local.index(self.rank),
@@ -836,14 +836,14 @@ def _in_process_device_transport(space: Any, host: Any, nodes: list[int]) -> Any
     )
 
 
-def _progress_of(mpi_comm: Any) -> Callable[[list[int]], None]:
+def _progress_of(mpi_comm: Any) -> Callable[[list[int], bool], None]:
     """A shared-memory wait's hook, now and then: one MPI call that polls, so that MPI's
     own messages move meanwhile (MPICH progresses every request of the process in it)."""
     from pycoll.bindings.mpi import mpi
 
     any_source, any_tag = mpi().ANY_SOURCE, mpi().ANY_TAG
 
-    def progress(awaited: list[int]) -> None:
+    def progress(awaited: list[int], moved: bool) -> None:
         mpi_comm.Iprobe(any_source, any_tag)
 
     return progress

@@ -116,6 +116,10 @@ class AsyncQueue:
             self._queued += change
             if self._queued == (1 if change > 0 else 0):
                 self._world.busy_workers += change
+                if change > 0:
+                    self._world.changed()  # a thread that may write again
+                else:  # idle: no longer among the threads that may be polling
+                    self._world.forget_polling(self._rank, self.worker)
 
     def _parked(self, what: str, futures: list[Future]) -> Any:
         if self._world is None or threading.get_ident() == self.worker:

@@ -7,6 +7,7 @@ is run by tests/test_mpi.py."""
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -371,6 +372,70 @@ def test_a_rank_that_skips_a_collective_is_reported(monkeypatch):
 
     with pytest.raises((pycoll.Deadlock, pycoll.PeerFailed)):
         run(3, body)
+
+
+def _deadlock_over_shared_memory(monkeypatch, then) -> str:
+    """``then(rank, first, second)`` run on 2 in-process ranks over shared memory, each
+    communicator's shared memory made first; the Deadlock's text, which must come at once."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
+
+    def body(rank):
+        world = pycoll.world()
+        first, second = world.split(0), world.split(0)
+        for comm in (first, second):
+            pycoll.allreduce(np.ones(3), comm=comm)
+        then(rank, first, second)
+
+    started = time.monotonic()
+    with pytest.raises((pycoll.Deadlock, pycoll.PeerFailed), match="deadlock") as caught:
+        run(2, body)
+    assert time.monotonic() - started < 10
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("count", [3, 300_000], ids=["one-shot", "rings"])
+def test_ranks_polling_shared_memory_in_a_cycle_are_a_deadlock_at_once(monkeypatch, count):
+    """Rank 0 calls A then B, rank 1 B then A: both poll shared memory for each other. Only
+    a rank waiting for ranks that had returned was reported; this hung until killed."""
+    def then(rank, first, second):
+        for comm in (first, second) if rank == 0 else (second, first):
+            pycoll.allreduce(np.ones(count), comm=comm)
+
+    said = _deadlock_over_shared_memory(monkeypatch, then)
+    assert "rank 0 waits in shared memory for rank(s) 1" in said
+    assert "rank 1 waits in shared memory for rank(s) 0" in said
+
+
+def test_an_async_wait_beside_a_peer_polling_another_communicator_is_a_deadlock(monkeypatch):
+    """Rank 0 waits on its async AllReduce on A while rank 1 is in one on B: rank 0's worker
+    and rank 1 poll shared memory, rank 0's own thread is parked."""
+    def then(rank, first, second):
+        if rank == 0:
+            pycoll.allreduce(np.ones(3), comm=first, async_op=True).wait()
+        pycoll.allreduce(np.ones(3), comm=second)
+        pycoll.allreduce(np.ones(3), comm=first)
+
+    said = _deadlock_over_shared_memory(monkeypatch, then)
+    assert "rank 0 waits for its allreduce" in said
+
+
+def test_ranks_taking_turns_through_shared_memory_are_no_deadlock(monkeypatch):
+    """The verdict must not fire while data is on its way: rank 1 computes between calls
+    while rank 0 polls, over and over, with an async worker busy beside them."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
+
+    def body(rank):
+        total = 0.0
+        pending = pycoll.allreduce(np.ones(50_000), async_op=True)
+        for step in range(40):
+            if rank == 1 and step % 10 == 0:
+                time.sleep(0.05)  # computing: rank 0 polls meanwhile
+            total += pycoll.allreduce(np.full(3 if step % 2 else 40_000, 1.0))[0]
+        return total + pending.wait()[0]
+
+    assert run(2, body) == [82.0, 82.0]
 
 
 @pytest.mark.parametrize("name,value", [("PYCOLL_HOST_TRANSPORT", "fast"),
