@@ -138,18 +138,32 @@ class Topology:
                 f"allowed: {sorted(known)}"
             )
         values = dict(data)
+        where = source or data.get("name", "?")
         curves = values.get("curves") or {}
         values["curves"] = tuple(
-            (name, _curve(name, points, source or data.get("name", "?")))
-            for name, points in sorted(curves.items())
+            (name, _curve(name, points, where)) for name, points in sorted(curves.items())
         )
         for name in ("intra", "inter"):
-            if name in values and not isinstance(values[name], Link):
-                values[name] = Link(float(values[name]["alpha"]), float(values[name]["beta"]))
+            link = values.get(name)
+            if name in values and not isinstance(link, Link):
+                if not isinstance(link, dict):
+                    raise ValueError(f"topology {where}: {name}={link!r}; allowed: an object "
+                                     "with numbers alpha and beta")
+                for key in ("alpha", "beta"):  # float() took "1e-6" and true as costs
+                    if not _is_number(link[key]):
+                        raise ValueError(f"topology {where}: {name}.{key}={link[key]!r}; "
+                                         "allowed: a number >= 0")
+                values[name] = Link(float(link["alpha"]), float(link["beta"]))
         # a link's own curve is filled in by ``at``; files keep curves in ``curves``
         topology = cls(**values)
+        for name, kind, allowed in (("name", str, "a string"), ("source", str, "a string"),
+                                    ("segments", bool, "true or false")):
+            if not isinstance(getattr(topology, name), kind):
+                raise ValueError(f"topology {where}: {name}={getattr(topology, name)!r}; "
+                                 f"allowed: {allowed}")
         if topology.ports not in ("single", "multi"):
-            raise ValueError(f"topology ports={topology.ports!r}; allowed: 'single', 'multi'")
+            raise ValueError(f"topology {where}: ports={topology.ports!r}; "
+                             "allowed: 'single', 'multi'")
         for name, kinds in (("ranks_per_node", int), ("nranks", int),
                             ("gamma", (int, float)), ("delta", (int, float)),
                             ("call", (int, float))):
@@ -175,11 +189,19 @@ def _curve(name: str, points: list, source: str) -> tuple[tuple[int, float], ...
     if name not in CURVES:
         raise ValueError(f"topology {source}: curves[{name!r}] is unknown; allowed: "
                          f"{', '.join(CURVES)}")
+    if any(not (_is_number(b) and _is_number(v)) for b, v in points):  # not "8", not true
+        raise ValueError(f"topology {source}: curves[{name!r}]={points!r}; allowed: a list "
+                         "of [bytes, cost] pairs of numbers, bytes >= 1, costs >= 0")
     pairs = tuple(sorted((int(b), float(v)) for b, v in points))
     if not pairs or any(not (b >= 1 and v >= 0 and math.isfinite(v)) for b, v in pairs):
         raise ValueError(f"topology {source}: curves[{name!r}]={points!r}; allowed: a list "
                          "of [bytes, cost] pairs, bytes >= 1, costs >= 0")
     return pairs
+
+
+def _is_number(value: object) -> bool:
+    """An int or a float, not a bool (JSON's true is no cost)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], size: int) -> float:
@@ -497,8 +519,10 @@ def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
         return {}
     try:
         data = json.loads(path.read_text())
-        kinds = {kind: [entries] if isinstance(entries, dict) else list(entries)
-                 for kind, entries in data["transports"].items()}  # one entry: a dict
+        # one entry: not a list ("abc" was read as three entries, 'a', 'b' and 'c')
+        kinds = {kind: entries if isinstance(entries, list) else [entries]
+                 for kind, entries in data["transports"].items()}
+        fits = data.get("fits", {})
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(
             f"tuning file {path} is unreadable ({error!r}); run `pycoll tune` to rewrite it"
@@ -508,11 +532,20 @@ def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
         raise ValueError(
             f"tuning file {path}: transports {unknown} unknown; allowed: "
             f"{', '.join(TRANSPORT_KINDS)}; run `pycoll tune` to rewrite it")
+    if not isinstance(fits, dict):  # save_tuning merges them, by kind@ranks
+        raise ValueError(
+            f"tuning file {path}: fits={fits!r}; allowed: an object of each tuning's fits by "
+            "kind@ranks; run `pycoll tune` to rewrite it")
     return {
-        kind: [Topology.from_json(e, source=f"{path} [{kind}, {e.get('nranks', 0)} ranks]")
+        kind: [Topology.from_json(e, source=f"{path} [{kind}, {_nranks_of(e)} ranks]")
                for e in entries]
         for kind, entries in kinds.items()
     }
+
+
+def _nranks_of(entry: object) -> object:
+    """An entry's rank count for naming it; from_json then refuses what is not an object."""
+    return entry.get("nranks", 0) if isinstance(entry, dict) else "?"
 
 
 def save_tuning(topologies: list[tuple[str, Topology]], path: Path | None = None,

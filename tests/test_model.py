@@ -218,6 +218,40 @@ def test_topology_files_round_trip_and_reject_unknown_keys(tmp_path):
     assert set(select.DEFAULTS) == set(model.TRANSPORT_KINDS)
 
 
+LOCAL = {"nranks": 2, "intra": {"alpha": 1e-6, "beta": 1e-9}}  # one valid entry
+
+
+@pytest.mark.parametrize("transports,fits,says", [
+    # not an object: AttributeError: 'str' object has no attribute 'get' (a traceback)
+    ({"local": ["str"]}, None, "[local, ? ranks]: 'str' is not a JSON object"),
+    ({"local": [None]}, None, "[local, ? ranks]: None is not a JSON object"),
+    ({"local": "abc"}, None, "[local, ? ranks]: 'abc' is not a JSON object"),  # not 'a'
+    ({"local": [{**LOCAL, "ports": 3}]}, None, "[local, 2 ranks]: ports=3; allowed: "),
+    # float() read them as costs; a name or source of any type was kept
+    ({"local": [{**LOCAL, "intra": {"alpha": "1e-6", "beta": 1e-9}}]}, None,
+     "[local, 2 ranks]: intra.alpha='1e-6'; allowed: a number >= 0"),
+    ({"local": [{**LOCAL, "inter": {"alpha": 1e-6, "beta": True}}]}, None,
+     "[local, 2 ranks]: inter.beta=True; allowed: a number >= 0"),
+    ({"local": [{**LOCAL, "intra": [1e-6, 1e-9]}]}, None,
+     "intra=[1e-06, 1e-09]; allowed: an object with numbers alpha and beta"),
+    ({"local": [{**LOCAL, "gamma": True}]}, None, "gamma=True; allowed: a number >= 0"),
+    ({"local": [{**LOCAL, "name": 5}]}, None, "[local, 2 ranks]: name=5; allowed: a string"),
+    ({"local": [{**LOCAL, "source": 7}]}, None, "source=7; allowed: a string"),
+    ({"local": [{**LOCAL, "segments": "no"}]}, None, "segments='no'; allowed: true or false"),
+    ({"local": [{**LOCAL, "curves": {"gamma": [["8", 1e-9]]}}]}, None,
+     "curves['gamma']=[['8', 1e-09]]; allowed: a list of [bytes, cost] pairs of numbers"),
+    # pycoll tune failed on it as on an unreadable file, naming neither file nor field
+    ({"local": [LOCAL]}, "x", ": fits='x'; allowed: an object of each tuning's fits"),
+])
+def test_a_bad_tuning_file_is_refused_naming_the_file_the_field_and_the_value(
+        tmp_path, transports, fits, says):
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"transports": transports} | ({"fits": fits} if fits else {})))
+    with pytest.raises(ValueError) as refused:
+        model.load_tuning(path)
+    assert str(path) in str(refused.value) and says in str(refused.value)
+
+
 # --- rank 0 alone for a symmetric schedule --------------------------------------------------
 
 NODES = replace(SINGLE, inter=model.Link(3 * A, 5 * B), ranks_per_node=4)  # two link classes

@@ -185,6 +185,9 @@ def test_model_command_prints_every_algorithm_and_the_crossover(capsys):
     ("[1, 2]", "is not a JSON object"),
     ('{"ranks_per_node": "8"}', "ranks_per_node='8'; allowed: an int >= 0"),
     ('{"gamma": -1}', "gamma=-1; allowed: a number >= 0"),
+    ('{"ports": 3}', "ports=3; allowed: 'single', 'multi'"),  # named no file
+    ('{"intra": {"alpha": "1e-6", "beta": 1e-9}}', "intra.alpha='1e-6'; allowed: a number"),
+    ('{"name": 5}', "name=5; allowed: a string"),
 ])
 def test_a_bad_topology_file_is_named_not_a_traceback(tmp_path, capsys, text, message):
     path = tmp_path / "topology.json"
@@ -273,6 +276,31 @@ def test_tune_rewrites_a_tuning_file_it_cannot_read(tmp_path, capsys):
     model.save_tuning([("local", topology)], path)
     assert [t.nranks for t in model.load_tuning(path)["local"]] == [topology.nranks]
     assert "writing a new one" in capsys.readouterr().err
+
+
+def test_tune_names_the_field_it_cannot_read_before_rewriting_the_file(tmp_path, capsys):
+    """A tuning file whose fits are not an object: tune said "dictionary update sequence
+    element #0 has length 1; 2 is required; writing a new one", naming neither the file nor
+    the field, and dropped the file's costs. It is refused as any bad field is, by name."""
+    path = tmp_path / "tuning.json"
+    model.save_tuning([("shm", replace(model.Topology(), nranks=4))], path)
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"fits": "x"}))
+    with pytest.raises(ValueError, match="fits='x'"):
+        model.load_tuning(path)
+    model.save_tuning([("local", replace(model.Topology(), nranks=2))], path)
+    assert (f"pycoll: tuning file {path}: fits='x'; allowed: an object of each tuning's fits "
+            "by kind@ranks; run `pycoll tune` to rewrite it; writing a new one"
+            ) in capsys.readouterr().err
+
+
+def test_a_tuning_entry_that_is_not_an_object_is_named_not_a_traceback(tmp_path, capsys,
+                                                                        monkeypatch):
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"transports": {"local": ["str"]}}))
+    monkeypatch.setenv("PYCOLL_TUNING", str(path))
+    assert main(["model", "--ranks", "4", "-b", "8", "-e", "8", "--topology", "tuned"]) == 2
+    assert f"topology {path} [local, ? ranks]: 'str' is not a JSON object" in (
+        capsys.readouterr().err)
 
 
 def test_the_tune_command_rewrites_an_unreadable_default_file(tmp_path, capsys, monkeypatch):
