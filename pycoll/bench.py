@@ -34,7 +34,7 @@ from typing import TextIO
 import numpy as np
 
 import pycoll
-from pycoll import oracle
+from pycoll import oracle, select
 from pycoll.algorithms import families_for
 from pycoll.comm import Communicator
 from pycoll.kernels import SUPPORTED_DTYPES, ReduceOp, check_dtype, check_op_for_dtype
@@ -186,6 +186,8 @@ def validate(options: Options) -> Collective:
     problem = pair_error(options, collective, options.dtype, options.op)
     if problem:
         raise ValueError(problem)
+    if "auto" in options.algorithms and collective is not Collective.ALLTOALL:
+        select.check_forced(collective)  # PYCOLL_ALGO's family must serve auto's calls
     return collective
 
 
@@ -240,11 +242,82 @@ def combinations(options: Options) -> list[Options]:
     return [replace(options, dtype=dtype, op=op) for dtype, op in pairs]
 
 
-def check_sweeps(runs: list[Options], nranks: int) -> None:
+def check_sweeps(runs: list[Options], nranks: int, here: int = 0,
+                 available: int | None = None) -> None:
     """Refuse, before any is measured, runs of which one sweeps no whole element (-d all -e 3
-    measured the 1- and 2-byte dtypes, then stopped at int32)."""
+    measured the 1- and 2-byte dtypes, then stopped at int32), has a root that is no rank,
+    or (given the ``available`` bytes of memory that ``here`` of the ranks share) needs
+    more memory than that at its largest sizes."""
     for each in runs:
-        distinct_sizes(each, validate(each), np.dtype(check_dtype(each.dtype)), nranks)
+        collective = validate(each)
+        if collective in ROOTED and not 0 <= each.root < nranks:  # others ignore it
+            raise ValueError(f"--root={each.root} is not a rank; allowed: 0..{nranks - 1}")
+        dtype = np.dtype(check_dtype(each.dtype))
+        swept = distinct_sizes(each, collective, dtype, nranks)
+        if available is not None and here > 0:
+            _check_memory(each, collective, dtype, nranks, swept, here, available)
+
+
+# A rank's memory beyond its buffers, as a multiple of the whole array: messages in flight
+# and the schedules' scratch. Measured (peak RSS, 2 and 4 in-process ranks, 32 and 64 MiB):
+# within it for every collective and family but direct, which took up to 3 times the array.
+WORKING_FACTOR = 2
+
+
+def _buffer_bytes(collective: Collective, itemsize: int, size: int, nranks: int) -> int:
+    """A rank's buffers at a swept size as ``_Case`` makes them: x and out (the in-place
+    case, made after they are freed, holds one array of the whole)."""
+    count = element_count(collective, itemsize, size, nranks)
+    in_count = count // nranks if collective is Collective.ALLGATHER else count
+    out_count = count // nranks if collective is Collective.REDUCE_SCATTER else count
+    return (in_count + out_count) * itemsize
+
+
+def memory_needed(options: Options, collective: Collective, dtype: np.dtype, nranks: int,
+                  swept: list[int]) -> int:
+    """About the bytes of host memory one rank takes to measure the sizes ``swept``: its
+    buffers at the last, and ``WORKING_FACTOR`` times its whole array; 0 with --device cuda
+    (the buffers are in the GPU's memory)."""
+    if options.device == "cuda":
+        return 0
+    size, itemsize = swept[-1], dtype.itemsize
+    buffers = _buffer_bytes(collective, itemsize, size, nranks)
+    if options.device == "shared":  # every size's buffers are kept, as long as the comm
+        buffers = sum(_buffer_bytes(collective, itemsize, s, nranks)
+                      + element_count(collective, itemsize, s, nranks) * itemsize
+                      for s in swept)
+    return buffers + WORKING_FACTOR * element_count(collective, itemsize, size, nranks) * itemsize
+
+
+def size_text(nbytes: int) -> str:
+    """Bytes as -b and -e read them: 2G, 64M, 8K, else a plain count."""
+    for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
+
+
+def _check_memory(options: Options, collective: Collective, dtype: np.dtype, nranks: int,
+                  swept: list[int], here: int, available: int) -> None:
+    """Refuse a sweep whose sizes from some size on need more than ``available`` bytes for
+    the ``here`` ranks that share this machine's memory: numpy's allocations succeed lazily,
+    so a size too large for the memory was not refused but killed by the system mid-run."""
+    for i, size in enumerate(swept):
+        need = here * memory_needed(options, collective, dtype, nranks, swept[:i + 1])
+        if need <= available:
+            continue
+        allowed = (f"--max-bytes {size_text(swept[i - 1])} or less" if i else
+                   f"--min-bytes and --max-bytes below {size_text(size)}")
+        raise ValueError(
+            f"--max-bytes={size_text(options.max_bytes)}: {options.collective} of "
+            f"{size_text(size)} ({dtype.name}) on {here} rank(s) of this machine needs about "
+            f"{_memory_text(need)} of memory, more than the {_memory_text(available)} "
+            f"available; allowed: {allowed}")
+
+
+def _memory_text(nbytes: int) -> str:
+    return (f"{nbytes / (1 << 30):.1f} GiB" if nbytes >= 1 << 30
+            else f"{nbytes / (1 << 20):.1f} MiB")
 
 
 def gpu_dtypes() -> list[str]:
@@ -391,10 +464,14 @@ class _Case:
         self.out = block if collective is Collective.REDUCE_SCATTER else whole
 
     def fill_for_check(self) -> None:
-        values = _check_values(self.comm.rank, self.comm.size, 0, self.x.size, self.op,
-                               self.dtype, self.collective, self.count // self.comm.size)
+        # a chunk at a time, as the oracle is: the whole at once took several int64 and
+        # float64 arrays of x's length (32 bytes an element of int8), beyond its buffers
         with self.memory.on_stream():
-            self.x[...] = self.memory.upload(values)
+            for start in range(0, self.x.size, CHECK_CHUNK):
+                stop = min(start + CHECK_CHUNK, self.x.size)
+                values = _check_values(self.comm.rank, self.comm.size, start, stop, self.op,
+                                       self.dtype, self.collective, self.count // self.comm.size)
+                self.x[start:stop] = self.memory.upload(values)
         self.memory.synchronize()
 
     def call(self, algorithm: str) -> None:

@@ -191,6 +191,46 @@ def _nranks(ranks: int | None) -> int:
     return _mpi_world().Get_size() if launched_by_mpi() else 1
 
 
+def _ranks_here(ranks: int | None) -> int:
+    """The ranks that share this machine's memory: --ranks in-process, else the MPI job's on
+    this node. Collective under MPI: every rank calls it before its checks, not among them
+    (a rank that failed an earlier check would skip it, and the others wait)."""
+    from pycoll.bindings.mpi import launched_by_mpi, node_of_each_rank
+
+    if ranks is not None or not launched_by_mpi():
+        return 1 if ranks is None else max(ranks, 0)
+    try:
+        world = _mpi_world()
+        nodes = node_of_each_rank(world) if world.Get_size() > 1 else [0]
+        return nodes.count(nodes[world.Get_rank()])
+    except Exception:  # noqa: BLE001 - no working MPI: _command_line_ok says so, rank by rank
+        return 1
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory this machine can still give (Linux's MemAvailable: free, and caches
+    it can drop), else its free pages; None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _tuning_readable() -> None:
+    """Raise what the run's first collective would about an unreadable tuning file (under
+    MPI, rank 0's; every rank asks, so that a file bad everywhere is said without a rank)."""
+    from pycoll import model
+
+    model.load_tuning()
+
+
 def _mpi_world():
     """MPI_COMM_WORLD, for the command line's own checks: they make no pycoll communicator
     (collective), which a rank whose settings are bad would never join."""
@@ -267,6 +307,7 @@ def _bench(args: argparse.Namespace) -> int:
     from pycoll import bench
     from pycoll.algorithms import families_for
 
+    here = _ranks_here(args.ranks)
     try:
         names = list(dict.fromkeys(a.strip() for a in args.algorithm.split(",") if a.strip()))
         if "all" in names and len(names) > 1:
@@ -297,7 +338,9 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--backend={args.backend!r} is for `pycoll bench kernels` only; "
                              f"collective={args.collective!r} runs on --device")
         _ranks_flag(args.ranks)
-        bench.check_sweeps(runs, _nranks(args.ranks))  # every pair, before any is measured
+        # every pair, before any is measured
+        bench.check_sweeps(runs, _nranks(args.ranks), here, _available_memory())
+        _tuning_readable()
         _outputs(args.json, args.csv)
         if args.ranks is not None and args.against:
             raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
@@ -360,6 +403,7 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
     import pycoll
     from pycoll import bench, compare
 
+    here = _ranks_here(args.ranks)
     try:
         options = bench.Options(
             collective=args.collective,
@@ -379,6 +423,8 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
         if args.output in ("", "-"):  # "" would name the current folder
             raise ValueError(f"--output {args.output!r}: not a file; allowed: a file path")
         nranks = _nranks(args.ranks)
+        bench.check_sweeps([options], nranks, here, _available_memory())
+        _tuning_readable()
         for suffix in (".md", ".png"):  # the two files it writes (no --output: here)
             _writable(f"{args.output or f'compare-{args.collective}-{nranks}'}{suffix}",
                       "--output" if args.output else "without --output,", stdout=False)
@@ -454,15 +500,20 @@ def _model(args: argparse.Namespace) -> int:
                              f"to {MODEL_MAX_RANKS}")
         topology = scaling.topology_named(args.topology)
         itemsize = np.dtype(check_dtype(args.dtype)).itemsize
-        sizes = bench.sizes(bench.parse_size(args.min_bytes, "--min-bytes"),
-                            bench.parse_size(args.max_bytes, "--max-bytes"), args.step_factor)
+        low = bench.parse_size(args.min_bytes, "--min-bytes")
+        high = bench.parse_size(args.max_bytes, "--max-bytes")
+        swept = bench.sizes(low, high, args.step_factor)
         # whole elements, as bench measures them (1 B of float64 is no element)
-        sizes = sorted({s // itemsize * itemsize for s in sizes} - {0})
+        sizes = sorted({s // itemsize * itemsize for s in swept} - {0})
         if not sizes:
+            # the sweep's sizes are all below one element: its first size must hold one
+            # (the next step may pass --max-bytes, as 1 B x 16 passes 8 B)
+            advice = (f"--min-bytes {itemsize}" + (f" to {high}" if high > itemsize else "")
+                      if high >= itemsize else f"--min-bytes and --max-bytes {itemsize} or more")
             raise ValueError(f"--min-bytes={args.min_bytes} --max-bytes={args.max_bytes} "
                              f"--step-factor={args.step_factor} sweep no whole element of "
-                             f"{args.dtype} ({itemsize} B); allowed: a sweep reaching "
-                             f"{itemsize} B or more")
+                             f"{args.dtype} ({itemsize} B): they measure "
+                             f"{', '.join(map(str, swept))} B only; allowed: {advice}")
         rows = scaling.table(collective, ranks, sizes, topology, itemsize=itemsize)
         if not rows:
             raise ValueError(f"--max-bytes={args.max_bytes} holds no whole {args.dtype} row "

@@ -190,6 +190,9 @@ def plot(comparison: Comparison, path: str) -> None:
     import matplotlib.pyplot as plt
 
     factor = bench.bus_factor(comparison.collective, comparison.nranks)
+    # one rank moves nothing between ranks: busbw is 0 there, which a log axis cannot show
+    shown = "busbw" if factor > 0 else "algbw"
+    factor = factor if factor > 0 else 1.0
     points = [p for p in comparison.points if p.size > 0]  # a log axis has no 0 B
     sizes = [p.size for p in points]
     figure, axes = plt.subplots(figsize=(9, 5.5))
@@ -218,7 +221,7 @@ def plot(comparison: Comparison, path: str) -> None:
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xlabel("size (bytes)")
-    axes.set_ylabel("busbw (GB/s)")
+    axes.set_ylabel(f"{shown} (GB/s)")
     axes.set_title(f"pycoll {comparison.collective.value}, {comparison.nranks} ranks "
                    f"({comparison.where}): measured (solid) and model (dashed)")
     axes.grid(True, which="both", alpha=0.3)

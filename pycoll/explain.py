@@ -178,10 +178,17 @@ def explain(
         raise ValueError(f"--ranks={nranks!r} is invalid; allowed: an int in 1..{MAX_RANKS}")
     if algorithm is None:  # the default: ring, or alltoall's one schedule
         algorithm = "direct" if kind is Collective.ALLTOALL else "ring"
-    if not 0 <= root < nranks:
-        raise ValueError(f"root={root} is not a rank; allowed: 0..{nranks - 1}")
+    try:  # before anything is printed (a note on node-aware families came first)
+        algorithms.check_family(algorithm, kind)
+    except ValueError as error:
+        raise ValueError(f"--{error}") from None  # "algorithm=...": the flag's name
+    rooted = kind in (Collective.BROADCAST, Collective.REDUCE)
+    if rooted and not 0 <= root < nranks:
+        raise ValueError(f"--root={root} is not a rank; allowed: 0..{nranks - 1}")
+    if not rooted:  # as bench: --root applies to broadcast and reduce alone
+        root = 0
     if nsegments < 1:
-        raise ValueError(f"segments={nsegments} is invalid; allowed: an int >= 1")
+        raise ValueError(f"--segments={nsegments} is invalid; allowed: an int >= 1")
     if nsegments > nranks:  # the seed's nranks elements: a run makes one segment per element
         print_(f"pycoll explain: --segments={nsegments}: at most one per element, as a run "
                f"makes them: {nranks}")
@@ -225,9 +232,9 @@ def explain(
             return "no elements"
         return f"element {start}" if stop == start + 1 else f"elements {start}..{stop - 1}"
 
-    rooted = f", root {root}" if kind in (Collective.BROADCAST, Collective.REDUCE) else ""
+    at_root = f", root {root}" if rooted else ""
     print_(
-        f"pycoll explain: {algorithm} {kind.value} on {nranks} ranks{rooted}, "
+        f"pycoll explain: {algorithm} {kind.value} on {nranks} ranks{at_root}, "
         f"{nsegments} segment(s), {schedule.nchunks} chunks; rank r holds "
         f"[{nranks}r+1, ..., {nranks}r+{nranks}]"
         + (", AllGather shard: its element r" if kind is Collective.ALLGATHER else "")

@@ -148,6 +148,19 @@ def forced_algorithm(collective: Collective) -> str | None:
     return forced
 
 
+def check_forced(collective: Collective) -> str | None:
+    """``forced_algorithm``, and an error if the family it forces has no schedule for
+    ``collective`` (what an ``auto`` call of it raises; the command line asks first)."""
+    forced = forced_algorithm(collective)
+    allowed = families_for(collective)
+    if forced is not None and forced not in allowed:
+        raise ValueError(
+            f"{ALGO_ENV} forces {forced!r} for {collective.value}, which it cannot "
+            f"serve; allowed for {collective.value}: {', '.join(allowed)}"
+        )
+    return forced
+
+
 def plan_for(
     collective: Collective,
     nbytes: int,
@@ -162,14 +175,8 @@ def plan_for(
     reason = "lowest predicted time"
     families = None
     if algorithm == "auto":
-        forced = forced_algorithm(collective)
+        forced = check_forced(collective)
         if forced is not None:
-            allowed = families_for(collective)
-            if forced not in allowed:
-                raise ValueError(
-                    f"{ALGO_ENV} forces {forced!r} for {collective.value}, which it cannot "
-                    f"serve; allowed for {collective.value}: {', '.join(allowed)}"
-                )
             families, reason = [forced], f"forced by {ALGO_ENV}"
     else:
         families, reason = [algorithm], f"algorithm={algorithm!r}"

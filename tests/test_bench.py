@@ -244,6 +244,91 @@ def test_a_command_line_bad_on_one_rank_stops_every_rank(tmp_path):
     assert not (tmp_path / "a" / "out" / "rows.json").exists()
 
 
+@pytest.mark.parametrize("command,args,says", [
+    ("bench", ["-d", "int8,float32", "-e", "1M"],
+     "--max-bytes=1M: allreduce of 256K (int8) on 2 rank(s) of this machine needs about "
+     "2.0 MiB of memory, more than the 1.0 MiB available; allowed: --max-bytes 128K or less"),
+    ("bench", ["-b", "1M", "-e", "1M"], "allowed: --min-bytes and --max-bytes below 1M"),
+    # --device shared keeps every size's buffers: 128K no longer fits beside those before it
+    ("bench", ["-e", "1M", "--device", "shared"], "allreduce of 128K"),
+    ("compare", ["-e", "4M"], "--max-bytes=4M: allreduce of 256K (float32)"),
+])
+def test_a_sweep_larger_than_the_memory_is_refused_before_measuring(monkeypatch, capsys,
+                                                                     command, args, says):
+    """numpy's allocations succeed lazily: -b 1G -e 100G measured 1G, then the system killed
+    it (exit 137) at 2G, beyond the memory; only a MemoryError was caught. Available memory
+    is faked (1 MiB) rather than anything large allocated: at 2 ranks, allreduce takes about
+    4 times the array per rank (x, out and the schedules' working memory)."""
+    from pycoll import cli, compare
+
+    monkeypatch.setattr(cli, "_available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(compare, "run", lambda *a, **k: pytest.fail("measured"))
+    assert main([command, "allreduce", "--ranks", "2", "-n", "1", "-w", "0", *args]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_sweep_that_fits_the_memory_runs(monkeypatch, capsys):
+    from pycoll import cli
+
+    if sys.platform == "linux":
+        assert cli._available_memory() > 0
+    monkeypatch.setattr(cli, "_available_memory", lambda: 1 << 20)
+    assert main(["bench", "allreduce", "--ranks", "2", "-b", "8", "-e", "128K", "-f", "64",
+                 "-n", "1", "-w", "0"]) == 0  # 8, 512 and 32K: 256 KiB at most
+
+
+@pytest.mark.parametrize("collective", list(bench.COLLECTIVES))
+def test_the_check_data_is_filled_a_chunk_at_a_time(monkeypatch, capsys, collective):
+    """The check's data was made for all of x at once: several int64 and float64 arrays of
+    its length, beyond the buffers the memory check counts. Chunks of 5 elements, so that
+    the chunks split ranks' blocks and pieces, make the same data (#wrong 0)."""
+    monkeypatch.setattr(bench, "CHECK_CHUNK", 5)
+    assert main(["bench", collective, "--ranks", "3", "-b", "96", "-e", "96", "-n", "1",
+                 "-w", "0", "-o", "min"]) == 0
+    assert "out of bounds values: 0 OK" in capsys.readouterr().out
+
+
+MEMORY_UNDER_MPIEXEC = """
+import sys
+from pycoll import cli
+cli._available_memory = lambda: 1 << 20  # faked: nothing large is allocated
+sys.exit(cli.main(["bench", "allreduce", "-e", "1M", "-n", "1", "-w", "0"]))
+"""
+
+
+@pytest.mark.parametrize("command,args,settings,message", [
+    # each rank said each of these in turn (3 times)
+    ("bench", ["broadcast", "-r", "3", "-e", "64"], {}, "--root=3 is not a rank; allowed: 0..2"),
+    ("compare", ["broadcast", "-r", "5", "-e", "64"], {},
+     "--root=5 is not a rank; allowed: 0..2"),  # was "broadcast: root=5"
+    ("bench", ["allreduce", "-e", "64"], {"PYCOLL_TUNING": "bad.json"},
+     "tuning file bad.json is unreadable"),
+    ("compare", ["allreduce", "-e", "64"], {"PYCOLL_TUNING": "bad.json"},
+     "tuning file bad.json is unreadable"),
+    ("bench", ["broadcast", "-e", "64"], {"PYCOLL_ALGO": "direct"},
+     "PYCOLL_ALGO forces 'direct' for broadcast, which it cannot serve"),
+    ("compare", ["reduce", "-e", "64"], {"PYCOLL_ALGO": "direct"},
+     "PYCOLL_ALGO forces 'direct' for reduce, which it cannot serve"),
+    # the 3 ranks of one node share its memory: 3 x 4 x 128K is past 1 MiB
+    ("-c", [MEMORY_UNDER_MPIEXEC], {}, "allreduce of 128K (float32) on 3 rank(s) of this "
+                                       "machine"),
+])
+def test_what_the_run_would_refuse_is_said_once_before_it(tmp_path, command, args, settings,
+                                                          message):
+    import os
+
+    (tmp_path / "bad.json").write_text("{bad")
+    line = [sys.executable, "-c", *args] if command == "-c" else [
+        sys.executable, "-m", "pycoll", command, *args, "-n", "1", "-w", "0",
+        *(["--output", "cmp"] if command == "compare" else [])]
+    done = subprocess.run([mpiexec(), "-n", "3", *line], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**os.environ, **settings})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count(message) == 1, done.stderr
+    assert "(rank" not in done.stderr and done.stdout == "", done.stdout + done.stderr
+
+
 def test_kernel_bench_says_plainly_when_there_is_no_gpu(capsys):
     from pycoll import bench_kernels
 

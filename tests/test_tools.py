@@ -116,7 +116,18 @@ def test_compare_measures_each_element_count_once(tmp_path, capsys):
                                          "broadcast, reduce\n"),
     # no swept size holds a whole element (it priced 0 B, then scanned sizes 0, 0, ...)
     (["model", "--ranks", "2", "-b", "1", "-e", "8"], "sweep no whole element of float32"),
-    (["model", "--ranks", "2", "-b", "4", "-e", "4", "-d", "float64"], "(8 B)"),
+    (["model", "--ranks", "2", "-b", "4", "-e", "4", "-d", "float64"],
+     "(8 B): they measure 4 B only; allowed: --min-bytes and --max-bytes 8 or more"),
+    # it advised "a sweep reaching 8 B or more", which -e 8 is: -b 1 -f 16 measures 1 B alone
+    (["model", "allgather", "--ranks", "7", "-b", "1", "-e", "8", "-d", "float64"],
+     "they measure 1 B only; allowed: --min-bytes 8\n"),
+    (["model", "--ranks", "2", "-b", "1", "-e", "15", "-d", "float64"],
+     "allowed: --min-bytes 8 to 15\n"),
+    # said as the flag, before measuring ("broadcast: root=5", from the call)
+    (["compare", "broadcast", "--ranks", "2", "-r", "5"],
+     "--root=5 is not a rank; allowed: 0..1\n"),
+    (["explain", "broadcast", "--root", "9"], "--root=9 is not a rank; allowed: 0..3\n"),
+    (["explain", "allreduce", "--segments", "0"], "--segments=0 is invalid"),
     (["model", "--ranks", "0"], "--ranks='0'"),
     # it priced on until memory ran out, without a word
     (["model", "--ranks", "8,99999999999"], "--ranks='8,99999999999'; allowed: comma-separated "
@@ -140,6 +151,38 @@ def test_compare_measures_each_element_count_once(tmp_path, capsys):
 def test_tools_name_bad_arguments(args, message, capsys):
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "broadcast", "reduce"])
+def test_explain_refuses_a_family_without_the_schedule_before_printing(collective, capsys):
+    """It printed that hierarchical_tree "runs as its flat schedule, shown here", then failed
+    on its having no such schedule."""
+    assert main(["explain", collective, "--algorithm", "hierarchical_tree"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (f"--algorithm='hierarchical_tree' has no {collective} schedule; allowed for "
+            f"{collective}: ") in captured.err
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "alltoall", "allgather"])
+def test_explain_ignores_the_root_where_the_collective_has_none(collective, capsys):
+    """As bench: --root applies to broadcast and reduce (explain refused --root 9 for
+    allreduce)."""
+    assert main(["explain", collective, "--root", "9"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("matches the numpy oracle")
+
+
+def test_compare_at_one_rank_plots_without_a_warning(tmp_path, capsys):
+    """busbw is 0 at one rank (nothing moves between ranks): its log axis warned "Data has
+    no positive values"; algbw is plotted there instead."""
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["compare", "allreduce", "--ranks", "1", "-b", "1K", "-e", "4K", "-n", "1",
+                     "-w", "0", "--output", str(tmp_path / "cmp")]) == 0
+    assert (tmp_path / "cmp.png").exists()
 
 
 def test_model_prices_what_a_run_can_make(tmp_path, capsys):
