@@ -186,7 +186,7 @@ class PeerMemoryTransport:
         self._peer_events: dict[int, Any] = {}  # peer -> its event, opened on first message
         self._stream: Any = None  # the stream of the latest call
 
-    def _on_current_stream(self) -> None:
+    def on_current_stream(self) -> None:
         """Order the current stream after the previous call's, when they differ."""
         stream = self.space.current_stream()
         previous = self._stream
@@ -217,7 +217,7 @@ class PeerMemoryTransport:
         """Send ``buf`` to ``peer``; with ``produced_by`` (a receive not yet waited for,
         with a ``combine``), the data is what that combine makes, written into the peer's
         slot by the combine itself (its second argument) when the receive is delivered."""
-        self._on_current_stream()
+        self.on_current_stream()
         request = _Outgoing(buf, peer, tag, forwarded=produced_by is not None)
         if produced_by is not None:
             if produced_by.combine is None or produced_by.delivered or produced_by.forward:
@@ -230,7 +230,7 @@ class PeerMemoryTransport:
     def irecv(
         self, buf: Any, peer: int, tag: int, combine: Callable[[Any], None] | None = None
     ) -> _Incoming:
-        self._on_current_stream()
+        self.on_current_stream()
         inbox, offset = self._claim(buf.nbytes)
         request = _Incoming(buf, peer, tag, inbox, offset, combine)
         self.space.record(self._event)  # the slot's earlier readers, before its next writer

@@ -56,12 +56,21 @@ class RoutedTransport:
         """``routes[peer]``: the transport that reaches ``peer`` (all of one group)."""
         self.routes = routes
         self.rank, self.size = routes[0].rank, len(routes)
+        # Endpoints that order a call on a new stream after the previous call's work (peer
+        # memory): asked at every message, whichever route it takes, since a staged
+        # delivery into an array is a write the previous call's peer reads may not follow.
+        self._ordering = [t for t in {id(t): t for t in routes}.values()
+                          if hasattr(t, "on_current_stream")]
 
     def isend(self, buf: Any, peer: int, tag: int) -> _Routed:
+        for endpoint in self._ordering:
+            endpoint.on_current_stream()
         transport = self.routes[peer]
         return _Routed(transport, transport.isend(buf, peer, tag))
 
     def irecv(self, buf: Any, peer: int, tag: int, combine: Any = None) -> _Routed:
+        for endpoint in self._ordering:
+            endpoint.on_current_stream()
         transport = self.routes[peer]
         if combine is None:
             return _Routed(transport, transport.irecv(buf, peer, tag))

@@ -506,7 +506,7 @@ def test_calls_on_alternating_streams_reuse_inbox_slots_safely(peer_device):
 
 def test_the_stand_in_catches_calls_on_two_streams_left_unordered(monkeypatch, peer_device):
     """Guard for the test above: without ordering the streams, results go wrong."""
-    monkeypatch.setattr(peer_memory.PeerMemoryTransport, "_on_current_stream", lambda self: None)
+    monkeypatch.setattr(peer_memory.PeerMemoryTransport, "on_current_stream", lambda self: None)
     with pytest.raises(AssertionError):
         for seed in range(5):
             peer_device._rng.seed(seed)
@@ -655,6 +655,34 @@ def test_async_calls_on_device_arrays_run_on_the_callers_stream(any_default_devi
         np.testing.assert_array_equal(after, oracle.allreduce(inputs, "sum"))
         if nranks > 1 and rank == nranks - 1:
             np.testing.assert_array_equal(got, inputs[0][:6])
+
+
+def test_an_async_call_that_writes_x_follows_one_still_reading_it(any_default_device):
+    """reduce_scatter(x) then broadcast(x) in place, both async, waited after: the second
+    call is ordered after the first's reads of x on every route. Under the per-thread
+    default stream each runs on a stream of its own; across simulated nodes the broadcast's
+    staged delivery wrote x before the reduce_scatter's peer-memory reads had run (ranks 2
+    and 3 summed root 0's data in rank 2's place, every seed)."""
+    device, nranks = any_default_device, 5
+    inputs = [np.arange(10, dtype=np.int64) * (r + 1) for r in range(nranks)]
+
+    def body(rank):
+        x = device_array(inputs[rank])
+        scattered = pycoll.reduce_scatter(x, counts=[2] * nranks, async_op=True)
+        written = pycoll.broadcast(x, 0, async_op=True)
+        mine = scattered.wait()
+        written.wait()
+        kept = device.empty(mine.shape, mine.dtype)
+        device.copy(kept, mine)  # this thread's stream, after wait()
+        device.synchronize()
+        return host_array(kept), host_array(x)
+
+    for seed in range(3):
+        device._rng.seed(seed)
+        results = pycoll.run_local(nranks, lambda: body(pycoll.world().rank))
+        for (mine, x), want in zip(results, oracle.reduce_scatter(inputs, "sum", [2] * nranks)):
+            np.testing.assert_array_equal(mine, want)
+            np.testing.assert_array_equal(x, inputs[0])
 
 
 @pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
