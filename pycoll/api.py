@@ -561,6 +561,9 @@ def alltoallv(
     send_counts, recv_counts = _alltoallv_counts(comm, x, send_counts, recv_counts)
     if out is not None:  # before any exchange: what this rank alone can tell
         _alltoallv_out(out, x, recv_counts)
+    if comm.check and not comm.agreeing:  # first: the exchange of counts is an AllToAll too
+        _agree(comm, Collective.ALLTOALL, x, None, "counts exchanged", None, None,
+               named="alltoallv")
     arrived = _exchange_counts(comm, send_counts, recv_counts,
                                None if out is None else out.shape[0])
     with space.using(stream):
@@ -1213,9 +1216,10 @@ def _player(comm: Communicator, call: PreparedCall, source: Array,
 
 def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | None,
            algorithm: str, blocks: tuple[int, ...] | None, root: int | None,
-           count: int | None = None) -> None:
+           count: int | None = None, named: str | None = None) -> None:
     """The agreement check (pycoll/agree.py): what every rank must pass alike (``count``:
-    AllToAll's, which its blocks do not tell)."""
+    AllToAll's, which its blocks do not tell; ``named``: the public call, where it is not
+    ``collective``'s name)."""
     comm.agreements += 1
     if collective is Collective.ALLTOALL:  # per-peer counts: exchanged and checked already
         counts = None
@@ -1223,10 +1227,11 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
         count, counts = sum(blocks), blocks
     else:
         count, counts = x.size, blocks
-    what = f"{collective.value} (agreement check)"
+    name = collective.value if named is None else named
+    what = f"{name} (agreement check)"
     try:
         agree.agree(comm, agree.signature(
-            collective.value, str(algorithm), None if op is None else op.value, x.dtype, count,
+            name, str(algorithm), None if op is None else op.value, x.dtype, count,
             counts, root, comm.agreements, space_of(x).name, comm.verify,
             tuple(x.shape[1:]) if collective in SHARDED else None,
         ))

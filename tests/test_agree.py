@@ -75,6 +75,13 @@ def test_agreeing_ranks_get_the_oracle():
      "collective", '"allreduce" on ranks 0, 2; "reduce" on rank 1'),
     ("alltoall count", lambda r: pycoll.alltoall(np.ones(6 if r == 2 else 3)),
      "count", "3 on ranks 0, 1; 6 on rank 2"),
+    # alltoallv's counts go by an internal alltoall: it was named, with its int64 pairs
+    ("alltoall against alltoallv", lambda r: pycoll.alltoall(np.ones(3)) if r == 0
+     else pycoll.alltoallv(np.ones(3), [1, 1, 1]),
+     "collective", '"alltoall" on rank 0; "alltoallv" on ranks 1, 2'),
+    ("alltoallv dtype", lambda r: pycoll.alltoallv(np.ones(3, np.float32 if r else np.int32),
+                                                   [1, 1, 1]),
+     "dtype", '"int32" on rank 0; "float32" on ranks 1, 2'),
     # rows of 2 and of 3 elements, 6 elements each: each rank read the others' in its shape
     ("allgather row", lambda r: pycoll.allgather(np.ones((3, 2) if r else (2, 3))),
      "row", "[3] on rank 0; [2] on ranks 1, 2"),
