@@ -64,7 +64,10 @@ class Topology:
     gamma: float = 1 / 5e9  # seconds per reduced byte
     delta: float = 1 / 10e9  # seconds per locally copied byte
     call: float = 0.0  # seconds per call, before any message (validation, lookup, launch)
-    ranks_per_node: int = 0  # 0: every rank on one node
+    ranks_per_node: int = 0  # 0: every rank on one node (unless ``nodes`` says otherwise)
+    # Each rank's node where the layout is not k consecutive ranks a node (uneven or
+    # scattered nodes, ranks_per_node 0): the communicator's, not the costs' (not written)
+    nodes: tuple[int, ...] = ()
     ports: str = "single"  # "single" or "multi"
     nranks: int = 0  # the rank count these costs were measured at (0: any)
     # False where the transport already pipelines a long message (pieces through shared
@@ -87,6 +90,8 @@ class Topology:
         return per_byte * nbytes
 
     def same_node(self, a: int, b: int) -> bool:
+        if self.nodes:
+            return self.nodes[a] == self.nodes[b]
         return self.ranks_per_node <= 0 or a // self.ranks_per_node == b // self.ranks_per_node
 
     def link(self, a: int, b: int) -> Link:
@@ -106,6 +111,7 @@ class Topology:
 
     def to_json(self) -> dict:
         data = asdict(self)
+        data.pop("nodes")  # where the ranks are, not what the links cost
         for name in ("intra", "inter"):
             data[name].pop("curve", None)
         data.pop("gamma_curve", None)
@@ -130,7 +136,7 @@ class Topology:
         if not isinstance(data, dict):
             raise ValueError(f"topology {source or '?'}: {data!r} is not a JSON object")
         # the curves' per-cost fields are filled in from ``curves`` (with_curves), not read
-        known = set(cls.__dataclass_fields__) - {"gamma_curve", "delta_curve"}
+        known = set(cls.__dataclass_fields__) - {"gamma_curve", "delta_curve", "nodes"}
         unknown = set(data) - known
         if unknown:
             raise ValueError(
@@ -407,7 +413,9 @@ def seconds(collective: Collective, family: str, nranks: int, nsegments: int,
     """The predicted time of a call of ``count`` elements: the play of every rank's program,
     or, where that is the same number, rank 0's alone (a symmetric schedule whose chunks all
     hold as many elements; tests/test_model.py checks the two agree)."""
-    if count > 0 and symmetric(collective, family, nranks, topology.ranks_per_node):
+    # uneven nodes: rank 0's program does not stand for the others' (their links differ)
+    if count > 0 and not topology.nodes and symmetric(collective, family, nranks,
+                                                      topology.ranks_per_node):
         nchunks = chunks_of(collective, family, nranks, nsegments, root,
                             topology.ranks_per_node)
         if count % nchunks == 0:

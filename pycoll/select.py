@@ -303,7 +303,10 @@ def share_tuning(comm) -> None:
 def _costs(tuned: model.Topology | None, kind: str, comm) -> model.Topology:
     """The tuned costs, else the defaults, on the ranks' actual nodes (which links are
     between nodes, and whether hierarchical schedules apply)."""
-    return replace(tuned or DEFAULTS[kind], ranks_per_node=comm.ranks_per_node)
+    nodes = comm.nodes()
+    uneven = comm.ranks_per_node == 0 and len(set(nodes)) > 1
+    return replace(tuned or DEFAULTS[kind], ranks_per_node=comm.ranks_per_node,
+                   nodes=tuple(nodes) if uneven else ())
 
 
 def spans_nodes(topology: model.Topology, nranks: int) -> bool:

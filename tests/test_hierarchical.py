@@ -212,6 +212,20 @@ def test_nodes_of_the_in_process_world(monkeypatch):
     assert set(pycoll.run_local(4, lambda: pycoll.world().ranks_per_node)) == {0}  # one node
 
 
+def test_uneven_nodes_are_priced_with_their_links_between_nodes(monkeypatch):
+    """5 ranks as nodes of 2, 2 and 1: no ranks_per_node, yet the costs auto uses know which
+    links cross nodes (they took every link as within one node)."""
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", "2")
+
+    def costs():
+        comm = pycoll.world()
+        topology = select.topology_for(comm, pycoll.spaces.HOST)
+        return topology.nodes, topology.same_node(1, 2), topology.same_node(2, 3)
+
+    assert pycoll.run_local(5, costs) == [((0, 0, 1, 1, 2), False, True)] * 5
+    assert pycoll.run_local(4, costs)[0][0] == ()  # regular: ranks_per_node says it
+
+
 def test_auto_prices_two_link_classes_and_picks_hierarchical_where_the_network_is_slow():
     nvlink_ib = scaling.topology_named("nvlink-ib")  # 8 ranks per node, 9x slower between
     plan = select.plan_for(Collective.ALLREDUCE, 256 << 20, 16, topology=nvlink_ib, itemsize=4)

@@ -161,6 +161,27 @@ def test_links_between_nodes_cost_their_own_class():
     assert within == pytest.approx(2 * A + size(2) * B + size(2) / 2 * G, rel=1e-12)
 
 
+@pytest.mark.parametrize("family", ["ring", "tree", "direct", "halving_doubling"])
+def test_a_node_map_prices_links_as_ranks_per_node_does(family):
+    """Uneven or scattered nodes are priced by each rank's node (``nodes``): for a regular
+    layout the map gives what ranks_per_node gives; for 5 ranks on nodes of 2, 2 and 1 the
+    links between nodes cost theirs (the model took every link as within a node)."""
+    slow = model.Topology(intra=model.Link(A, B), inter=model.Link(10 * A, 10 * B), gamma=G,
+                          delta=0.0)
+    regular = replace(slow, ranks_per_node=2)
+    mapped = replace(slow, nodes=(0, 0, 1, 1, 2, 2))
+    for collective in (Collective.ALLREDUCE, Collective.ALLGATHER):
+        n = size(6)
+        assert model.seconds(collective, family, 6, 1, None, n, mapped, 4) == pytest.approx(
+            model.seconds(collective, family, 6, 1, None, n, regular, 4), rel=1e-12)
+        uneven = replace(slow, nodes=(0, 0, 1, 1, 2))
+        flat = model.seconds(collective, family, 5, 1, None, size(5), slow, 4)
+        across = model.seconds(collective, family, 5, 1, None, size(5), uneven, 4)
+        full = model.play(model.programs(algorithms.build(family, collective, 5, 1, None),
+                                         size(5)), uneven, 4).seconds
+        assert across == pytest.approx(full, rel=1e-12) and across > flat
+
+
 def test_seed_copies_cost_delta_per_byte():
     copying = model.Topology(intra=model.Link(0.0, 0.0), gamma=0.0, delta=1.0)
     # ring AllReduce copies nothing (its first send reads INPUT); AllGather its own shard
