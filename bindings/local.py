@@ -103,11 +103,14 @@ class LocalWorld:
             self._finished.add(rank)
             for me in [me for me in self._polling if me[0] == rank]:
                 del self._polling[me]
+            self.changed()  # what it wrote in shared memory before returning, unreported
             self._wake_everyone()
 
     def forget_polling(self, rank: int, thread: int | None) -> None:
-        """``thread`` of ``rank`` polls no more (an async worker gone idle). Under the lock."""
+        """``thread`` of ``rank`` polls no more (an async worker gone idle, having perhaps
+        written in shared memory since its last look). Under the lock."""
         self._polling.pop((rank, thread), None)
+        self.changed()
 
     def changed(self) -> None:
         """Something moved or may move (a message, a thread newly blocked, a worker given
