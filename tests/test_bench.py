@@ -252,6 +252,9 @@ def test_a_command_line_bad_on_one_rank_stops_every_rank(tmp_path):
     # --device shared keeps every size's buffers: 128K no longer fits beside those before it
     ("bench", ["-e", "1M", "--device", "shared"], "allreduce of 128K"),
     ("compare", ["-e", "4M"], "--max-bytes=4M: allreduce of 256K (float32)"),
+    # direct AllReduce receives every peer's whole array: 2 + 3 arrays, not 2 + 2
+    ("bench", ["-e", "128K", "--algorithm", "ring,direct"],
+     "allreduce of 128K (float32) on 2 rank(s) of this machine needs about 1.2 MiB"),
 ])
 def test_a_sweep_larger_than_the_memory_is_refused_before_measuring(monkeypatch, capsys,
                                                                      command, args, says):
