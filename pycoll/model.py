@@ -269,12 +269,13 @@ def predict(
     return play(compiled, topology, itemsize)
 
 
-def traffic(schedule: Schedule, count: int, ranks_per_node: int, itemsize: int = 1
-            ) -> list[dict[str, int]]:
+def traffic(schedule: Schedule, count: int, ranks_per_node: int, itemsize: int = 1,
+            nodes: tuple[int, ...] = ()) -> list[dict[str, int]]:
     """The bytes each rank sends within its node (``intra``) and to other nodes (``inter``)
     in a call of ``count`` elements: read from the same compiled programs the model plays
-    (what ``comm.traffic`` counts when the call runs)."""
-    layout = Topology(ranks_per_node=ranks_per_node)
+    (what ``comm.traffic`` counts when the call runs). ``nodes``: each rank's node, for a
+    layout ``ranks_per_node`` cannot say (uneven nodes)."""
+    layout = Topology(ranks_per_node=ranks_per_node, nodes=tuple(nodes))
     sent = []
     for rank, program in enumerate(programs(schedule, count)):
         mine = {"intra": 0, "inter": 0}

@@ -225,6 +225,18 @@ def test_uneven_nodes_are_priced_with_their_links_between_nodes(monkeypatch):
     assert pycoll.run_local(5, costs) == [((0, 0, 1, 1, 2), False, True)] * 5
     assert pycoll.run_local(4, costs)[0][0] == ()  # regular: ranks_per_node says it
 
+    count = 40
+    for family in ("ring", "tree", "direct"):
+        def counted(family=family):
+            comm = pycoll.world()
+            comm.traffic.reset()
+            pycoll.allreduce(np.ones(count, np.float32), algorithm=family)
+            return dict(comm.traffic.bytes)
+
+        schedule = algorithms.build(family, Collective.ALLREDUCE, 5)
+        assert pycoll.run_local(5, counted) == model.traffic(
+            schedule, count, 0, itemsize=4, nodes=(0, 0, 1, 1, 2)), family
+
 
 def test_auto_prices_two_link_classes_and_picks_hierarchical_where_the_network_is_slow():
     nvlink_ib = scaling.topology_named("nvlink-ib")  # 8 ranks per node, 9x slower between
