@@ -70,9 +70,10 @@ class LocalWorld:
         # queued. Threads parked in Work.wait() can post nothing until that work finishes.
         self.busy_workers = 0
         self._parked: dict[tuple[int, int], tuple[str, list]] = {}  # -> (what, its futures)
-        # (rank, thread) -> [world ranks awaited, idle checks since anything changed]: threads
-        # that poll shared memory, which the world sees only through check_waiting. An entry
-        # of a thread that found its data and left stays until it waits, posts or returns.
+        # (rank, thread) -> [world ranks awaited, idle checks since anything changed, the
+        # thread]: threads that poll shared memory, which the world sees only through
+        # check_waiting. An entry of a thread that found its data and left stays until it
+        # waits, posts, returns or ends.
         self._polling: dict[tuple[int, int], list] = {}
         self._finished: set[int] = set()
         self.failure: BaseException | None = None
@@ -156,9 +157,12 @@ class LocalWorld:
                     self.failure, self.failed_rank = error, rank
                 self._wake_everyone()
                 raise error
+            # a thread a rank started counts among the threads that may move data, as a
+            # poster does: else its polling stood in for a rank's own thread still computing
+            self._posters.add(threading.current_thread())
             entry = self._polling.get(me)
             if moved or entry is None or entry[0] != sorted(awaited):
-                self._polling[me] = [sorted(awaited), 0]
+                self._polling[me] = [sorted(awaited), 0, threading.current_thread()]
                 self.changed()  # a thread newly blocked, or one whose writes may free others
             else:
                 entry[1] += 1
@@ -258,7 +262,12 @@ class LocalWorld:
         has found nothing twice since the last change: its second look began after the
         change, so it saw every write made before it (and a thread blocked writes nothing)."""
         threads = self.nranks - len(self._finished) + self.busy_workers
-        if any(checks < 2 for _, checks in self._polling.values()):
+        ended = [me for me, (_, _, thread) in self._polling.items() if not thread.is_alive()]
+        for me in ended:  # a thread that polled, then ended: its entry would hold back
+            del self._polling[me]  # every verdict
+        if ended:
+            self.changed()  # what it wrote before it ended, unreported
+        if any(checks < 2 for _, checks, _ in self._polling.values()):
             return False
         blocked = len(self._waiting) + len(self._polling) + sum(
             not all(f.done() for f in futures) for _, futures in self._parked.values()
@@ -293,7 +302,7 @@ class LocalWorld:
                for (rank, _), (what, _) in sorted(self._parked.items())]
             + [f"rank {rank} waits in shared memory for rank(s) "
                f"{', '.join(map(str, sorted(awaited)))}"
-               for (rank, _), (awaited, _) in sorted(self._polling.items())]
+               for (rank, _), (awaited, _, _) in sorted(self._polling.items())]
         )
         done = sorted(self._finished)
         error = Deadlock(

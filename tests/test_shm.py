@@ -6,7 +6,9 @@ is run by tests/test_mpi.py."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+import threading
 import time
 
 import numpy as np
@@ -376,9 +378,10 @@ def test_a_rank_that_skips_a_collective_is_reported(monkeypatch):
 
 def _deadlock_over_shared_memory(monkeypatch, then) -> str:
     """``then(rank, first, second)`` run on 2 in-process ranks over shared memory, each
-    communicator's shared memory made first; the Deadlock's text, which must come at once."""
+    communicator's shared memory made first; the Deadlock's text, which must come at once
+    (the timeout ends a verdict that never comes, which hung)."""
     monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
-    monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "20")
 
     def body(rank):
         world = pycoll.world()
@@ -418,6 +421,50 @@ def test_an_async_wait_beside_a_peer_polling_another_communicator_is_a_deadlock(
 
     said = _deadlock_over_shared_memory(monkeypatch, then)
     assert "rank 0 waits for its allreduce" in said
+
+
+def test_a_pool_thread_polling_beside_a_computing_rank_is_no_deadlock(monkeypatch):
+    """Rank 1's pool thread (made before the run: no grace) and its own thread poll shared
+    memory while rank 0 computes: two polling threads stood in for two ranks' threads, a
+    false Deadlock in 0.2 s, until a polling thread counted among the threads that may move
+    data."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.delenv("PYCOLL_TIMEOUT", raising=False)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()  # its worker lives before run_local
+
+        def body(rank):
+            world = pycoll.world()
+            side = world.split(0)
+            for comm in (world, side):
+                pycoll.allreduce(np.ones(8), comm=comm)  # each makes its shared memory
+            if rank == 1:
+                aside = pool.submit(pycoll.allreduce, np.ones(8), comm=side)
+                return pycoll.allreduce(np.ones(8), comm=world)[0] + aside.result()[0]
+            time.sleep(0.3)  # computing
+            return pycoll.allreduce(np.ones(8), comm=world)[0] + pycoll.allreduce(
+                np.ones(8), comm=side)[0]
+
+        assert run(2, body) == [4.0, 4.0]
+
+
+def test_a_deadlock_after_a_polling_thread_ended_is_still_reported(monkeypatch):
+    """A thread a rank started polled shared memory, then ended: its entry held back every
+    later verdict (the cycle below hung until killed)."""
+    def then(rank, first, second):
+        def helper():
+            if rank == 1:
+                time.sleep(0.2)  # rank 0's helper polls meanwhile
+            pycoll.allreduce(np.ones(8), comm=first)
+
+        thread = threading.Thread(target=helper)
+        thread.start()
+        thread.join()
+        for comm in (first, second) if rank == 0 else (second, first):
+            pycoll.allreduce(np.ones(8), comm=comm)
+
+    said = _deadlock_over_shared_memory(monkeypatch, then)
+    assert "rank 0 waits in shared memory for rank(s) 1" in said
 
 
 def test_ranks_taking_turns_through_shared_memory_are_no_deadlock(monkeypatch):
