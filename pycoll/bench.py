@@ -297,12 +297,13 @@ def memory_needed(options: Options, collective: Collective, dtype: np.dtype, nra
     return buffers + _working_factor(options, collective, nranks) * whole
 
 
-def size_text(nbytes: int) -> str:
-    """Bytes as -b and -e read them: 2G, 64M, 8K, else a plain count."""
+def size_text(nbytes: int, flag: bool = True) -> str:
+    """A whole number of bytes as -b and -e read them (2G, 64M, 8K, else a plain count), or
+    for a page (``flag=False``: 2 GiB, 64 MiB, 8 KiB, else 100 B)."""
     for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if nbytes >= unit and nbytes % unit == 0:
-            return f"{nbytes // unit}{suffix}"
-    return str(nbytes)
+            return f"{nbytes // unit}{suffix}" if flag else f"{nbytes // unit} {suffix}iB"
+    return str(nbytes) if flag else f"{nbytes} B"
 
 
 def _check_memory(options: Options, collective: Collective, dtype: np.dtype, nranks: int,

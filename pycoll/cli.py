@@ -223,14 +223,6 @@ def _available_memory() -> int | None:
         return None
 
 
-def _tuning_readable() -> None:
-    """Raise what the run's first collective would about an unreadable tuning file (under
-    MPI, rank 0's; every rank asks, so that a file bad everywhere is said without a rank)."""
-    from pycoll import model
-
-    model.load_tuning()
-
-
 def _mpi_world():
     """MPI_COMM_WORLD, for the command line's own checks: they make no pycoll communicator
     (collective), which a rank whose settings are bad would never join."""
@@ -304,7 +296,7 @@ def _outputs(json_path: str | None, csv_path: str | None) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     import pycoll
-    from pycoll import bench
+    from pycoll import bench, model
     from pycoll.algorithms import families_for
 
     here = _ranks_here(args.ranks)
@@ -340,7 +332,7 @@ def _bench(args: argparse.Namespace) -> int:
         _ranks_flag(args.ranks)
         # every pair, before any is measured
         bench.check_sweeps(runs, _nranks(args.ranks), here, _available_memory())
-        _tuning_readable()
+        model.load_tuning()  # unreadable: said here, once, not by the first collective
         _outputs(args.json, args.csv)
         if args.ranks is not None and args.against:
             raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
@@ -401,7 +393,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
     import pycoll
-    from pycoll import bench, compare
+    from pycoll import bench, compare, model
 
     here = _ranks_here(args.ranks)
     try:
@@ -424,7 +416,7 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
             raise ValueError(f"--output {args.output!r}: not a file; allowed: a file path")
         nranks = _nranks(args.ranks)
         bench.check_sweeps([options], nranks, here, _available_memory())
-        _tuning_readable()
+        model.load_tuning()  # unreadable: said here, once, not by the first collective
         for suffix in (".md", ".png"):  # the two files it writes (no --output: here)
             _writable(f"{args.output or f'compare-{args.collective}-{nranks}'}{suffix}",
                       "--output" if args.output else "without --output,", stdout=False)
@@ -525,7 +517,8 @@ def _model(args: argparse.Namespace) -> int:
     print(scaling.format_table(collective, rows, topology))
     families = {e.algorithm for row in rows for e in row if e is not None}
     if {"ring", "tree"} <= families:
-        scanned = f"{scaling._size(sizes[0])} to {scaling._size(sizes[-1])}"
+        first, last = (bench.size_text(s, flag=False) for s in (sizes[0], sizes[-1]))
+        scanned = f"{first} to {last}"
         priced = {e.nranks for row in rows for e in row if e is not None}
         for p in ranks:  # a rank count with rows in the table, and both families there
             if p not in priced or not all(scaling.applies(collective, family, p, topology)
@@ -534,7 +527,7 @@ def _model(args: argparse.Namespace) -> int:
             size = scaling.crossover(collective, p, topology, "tree", "ring",
                                      low=sizes[0], high=sizes[-1], itemsize=itemsize)
             where = (f"at no size from {scanned}" if size is None
-                     else f"up to {scaling._size(size)} at least (scanned {scanned})")
+                     else f"up to {bench.size_text(size, flag=False)} at least (scanned {scanned})")
             print(f"# {p} ranks: tree predicted faster than ring {where} (sizes x4 apart)")
     return 0
 

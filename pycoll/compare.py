@@ -91,10 +91,11 @@ class Comparison:
                      if not math.isnan(p.predicted_us[a]) else f"{p.measured_us[a]:.1f} (-)"
                      for a in names]
             lines.append(
-                f"| {_size(p.size)} | " + " | ".join(cells)
+                f"| {bench.size_text(p.size, flag=False)} | " + " | ".join(cells)
                 + f" | {p.auto_choice} | {p.fastest()} | {self.auto_gap(p):+.0%} | "
                 + f"{sum(p.wrong.values())} |"
             )
+        band = bench.size_text(BAND_BYTES, flag=False)
         lines += [
             "",
             f"- auto's measured time, worst over sizes that move data, against the fastest "
@@ -102,25 +103,18 @@ class Comparison:
             if self.worst_auto_gap() is not None else
             "- auto's measured time against the fastest family: no size that moves data was "
             "measured.",
-            f"- model against measurement at ≥ {_size(BAND_BYTES)}, worst over sizes and "
+            f"- model against measurement at ≥ {band}, worst over sizes and "
             f"algorithms: ±{self.worst_prediction_error():.0%} (bar: ±30%)."
             if any(p.size >= BAND_BYTES for p in self.points) else
-            f"- model against measurement: no size at ≥ {_size(BAND_BYTES)} was measured.",
+            f"- model against measurement: no size at ≥ {band} was measured.",
         ]
         per_algorithm = ", ".join(
             f"{a} ±{max(abs(self.prediction_error(p, a)) for p in self.points if p.size >= BAND_BYTES):.0%}"  # noqa: E501
             for a in self.algorithms if any(p.size >= BAND_BYTES for p in self.points)
         )
         if per_algorithm:
-            lines.append(f"- per algorithm at ≥ {_size(BAND_BYTES)}: {per_algorithm}.")
+            lines.append(f"- per algorithm at ≥ {band}: {per_algorithm}.")
         return "\n".join(line for line in lines if line is not None) + "\n"
-
-
-def _size(nbytes: int) -> str:
-    for unit, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if nbytes >= unit and nbytes % unit == 0:
-            return f"{nbytes // unit} {name}"
-    return f"{nbytes} B"
 
 
 def run(options: bench.Options, comm: Communicator, algorithms: list[str] | None = None

@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from pycoll import algorithms, model
-from pycoll.bench import bus_factor, element_count
+from pycoll.bench import bus_factor, element_count, size_text
 from pycoll.schedule import ROOTED, Collective
 from pycoll.select import spans_nodes
 
@@ -178,13 +178,9 @@ def format_table(collective: Collective, rows: list[list[Estimate | None]],
         fastest = min(priced, key=lambda e: (e.seconds, e.nsegments, e.algorithm))  # as auto
         cells = ["—" if e is None else f"{e.seconds * 1e6:.1f} ({e.busbw:.1f})"
                  + (f" ×{e.nsegments}" if e.nsegments > 1 else "") for e in row]
-        lines.append(f"| {priced[0].nranks} | {_size(priced[0].nbytes)} | " + " | ".join(cells)
+        size = size_text(priced[0].nbytes, flag=False)
+        lines.append(f"| {priced[0].nranks} | {size} | " + " | ".join(cells)
                      + f" | {fastest.algorithm} |")
     return "\n".join(lines)
 
 
-def _size(nbytes: int) -> str:
-    for unit, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if nbytes >= unit and nbytes % unit == 0:
-            return f"{nbytes // unit} {name}"
-    return f"{nbytes} B"
