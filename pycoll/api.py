@@ -71,7 +71,7 @@ def allreduce(
             return out
     space = _space(x, "allreduce")
     parsed = _op(op, x, "allreduce")
-    with space.using(stream):
+    with space.using(stream, "allreduce"):
         out = _out(out, x, x.shape, "allreduce", may_alias=True)
         call = _run(comm, Collective.ALLREDUCE, x, out, parsed, algorithm)
         if parsed is _AVG:
@@ -258,7 +258,7 @@ def reduce_scatter(
     counts = _counts(counts, rows, comm.size, "reduce_scatter", "len(x)")
     shape = (counts[comm.rank], *x.shape[1:])
     block_at = _block_at(x, counts, comm.rank)
-    with space.using(stream):
+    with space.using(stream, "reduce_scatter"):
         out = _out(out, x, shape, "reduce_scatter", block_at=block_at)
         blocks = tuple(c * _row_size(x) for c in counts)
         how = _reduce_scatter(comm, x, out, op, blocks, algorithm, stream, space)
@@ -338,7 +338,7 @@ def allgather(
         counts = _gathered_counts(counts, rows, comm.size, comm.rank)
     shape = (sum(counts), *x.shape[1:])
     block_at = _block_at(x, counts, comm.rank)
-    with space.using(stream):
+    with space.using(stream, "allgather"):
         out = _out(out, x, shape, "allgather", block_at=block_at)
         row = _row_size(x)
         blocks = tuple(c * row for c in counts)
@@ -402,7 +402,7 @@ def broadcast(
     space = _space(x, "broadcast")
     _writable(x, "x", "broadcast")
     root = _root(root, comm, "broadcast")
-    with space.using(stream):
+    with space.using(stream, "broadcast"):
         how = _broadcast(comm, x, root, algorithm, stream)
     _remember(comm, known, how)
     return x
@@ -455,7 +455,7 @@ def reduce(
     space = _space(x, "reduce")
     op = _op(op, x, "reduce")
     root = _root(root, comm, "reduce")
-    with space.using(stream):
+    with space.using(stream, "reduce"):
         result, how = _reduce(comm, x, out, op, root, algorithm, stream, space)
     _remember(comm, known, (op, how))
     return result
@@ -523,7 +523,7 @@ def alltoall(
     rows = _rows(x, "alltoall")
     counts = _counts(None, rows, comm.size, "alltoall", "len(x)")
     _agree_on_pieces(comm, x)
-    with space.using(stream):
+    with space.using(stream, "alltoall"):
         out = _out(out, x, x.shape, "alltoall", may_alias=True)
         call = _alltoallv(x, counts, counts, out, comm)
     _remember(comm, known, call)
@@ -566,7 +566,7 @@ def alltoallv(
                named="alltoallv")
     arrived = _exchange_counts(comm, send_counts, recv_counts,
                                None if out is None else out.shape[0])
-    with space.using(stream):
+    with space.using(stream, "alltoallv"):
         if out is None:
             out = space.empty((sum(arrived), *x.shape[1:]), x.dtype)
         _alltoallv(x, send_counts, arrived, out, comm)
@@ -664,7 +664,7 @@ def send(
     comm, space, dst, tag = _point_to_point_arguments(comm, "send", x, dst, tag)
     if space.is_device:
         comm.drain(("send", dst))  # a pair's device Send/Recv run in call order
-    with space.using(stream):
+    with space.using(stream, "send"):
         _point_to_point(comm, x, x, comm.rank, dst, tag)
 
 
@@ -679,7 +679,7 @@ def recv(
     comm, space, src, tag = _point_to_point_arguments(comm, "recv", out, src, tag)
     if space.is_device:
         comm.drain(("recv", src))
-    with space.using(stream):
+    with space.using(stream, "recv"):
         _point_to_point(comm, out, out, src, comm.rank, tag)
     return out
 
@@ -691,7 +691,7 @@ def _posted(comm: Communicator | None, direction: str, buf: Any, peer: Any, tag:
     where that does not apply (device arrays, which run on a worker per direction and peer,
     in call order). Bad arguments raise here, as they would blocking."""
     comm, space, peer, tag = _point_to_point_arguments(comm, direction, buf, peer, tag)
-    with space.using(stream):  # a stream the call would refuse
+    with space.using(stream, direction):  # a stream the call would refuse
         pass
     if stream is not None or space is not HOST:
         return None
@@ -835,7 +835,7 @@ def _before_submit(comm: Communicator | None, x: Array, what: str, algorithm: An
     worker, where a rank's failed call would leave it a collective behind its peers. Returns
     the communicator, not drained."""
     comm = _comm(comm, drain=False)
-    with _space(x, what).using(stream):  # a stream the call would refuse
+    with _space(x, what).using(stream, what):  # a stream the call would refuse
         pass
     _algorithm(algorithm, Collective.ALLTOALL if what == "alltoallv" else Collective(what))
     return comm

@@ -39,7 +39,7 @@ class Space(Protocol):
     def address(self, x: Any) -> int: ...
     def reducer(self, op: ReduceOp, dtype: np.dtype) -> Callable[..., None]: ...
     def finish(self, work: Any, op: ReduceOp, nranks: int) -> None: ...
-    def using(self, stream: Any) -> contextlib.AbstractContextManager: ...
+    def using(self, stream: Any, named: str = "") -> contextlib.AbstractContextManager: ...
 
 
 _NO_STREAM = contextlib.nullcontext()  # reusable: host work needs no stream
@@ -77,10 +77,12 @@ class HostSpace:
     def finish(self, work: np.ndarray, op: ReduceOp, nranks: int) -> None:
         kernels.finish(work, op, nranks)
 
-    def using(self, stream: Any) -> contextlib.AbstractContextManager:
+    def using(self, stream: Any, named: str = "") -> contextlib.AbstractContextManager:
+        """Nothing to order; ``named`` (the collective) starts the refusal of a stream."""
         if stream is not None:
             raise ValueError(
-                f"stream={stream!r} was given for numpy arrays; allowed: None "
+                f"{named}{': ' if named else ''}stream={stream!r} was given for numpy arrays; "
+                "allowed: None "
                 "(streams order device arrays only)"
             )
         return _NO_STREAM
@@ -187,12 +189,15 @@ class CudaSpace:
         return self._cupy.cuda.Device(device)
 
     @contextlib.contextmanager
-    def using(self, stream: Any) -> Iterator[None]:
+    def using(self, stream: Any, named: str = "") -> Iterator[None]:
+        """Within: ``stream`` is current (None: as it was); ``named`` (the collective) starts
+        the refusal of what is not a stream."""
         if stream is None:
             yield
             return
         if not isinstance(stream, self._cupy.cuda.Stream | self._cupy.cuda.ExternalStream):
-            raise TypeError(f"stream={stream!r} is not a cupy.cuda.Stream; allowed: one, or None")
+            raise TypeError(f"{named}{': ' if named else ''}stream={stream!r} is not a "
+                            "cupy.cuda.Stream; allowed: one, or None")
         with stream:
             yield
 

@@ -245,12 +245,13 @@ class FakeDevice:
         return stream is not None and stream is self.per_thread
 
     @contextlib.contextmanager
-    def using(self, stream: Any) -> Iterator[None]:
+    def using(self, stream: Any, named: str = "") -> Iterator[None]:
         if stream is None:
             yield
             return
         if not isinstance(stream, FakeStream):
-            raise TypeError(f"stream={stream!r} is not a FakeStream")
+            raise TypeError(f"{named}{': ' if named else ''}stream={stream!r} is not a "
+                            "FakeStream")
         saved = getattr(self._local, "stream", None)
         self._local.stream = stream
         try:

@@ -131,9 +131,9 @@ BAD_ASYNC_CALLS = {  # beside test_errors.BAD_CALLS, which runs async too (there
     "tag": (lambda r: pycoll.recv(np.ones(3), 1 - r, tag=-1, async_op=True),
             "tag=-1 is invalid"),
     "stream": (lambda r: pycoll.allreduce(np.ones(3), stream="s", async_op=True),
-               "stream='s' was given for numpy arrays; allowed: None"),
+               "allreduce: stream='s' was given for numpy arrays; allowed: None"),
     "send stream": (lambda r: pycoll.send(np.ones(3), 1 - r, stream="s", async_op=True),
-                    "stream='s' was given for numpy arrays"),
+                    "send: stream='s' was given for numpy arrays"),
     # _writable before _space: AttributeError: 'list' object has no attribute 'flags'
     "not an array": (lambda r: pycoll.broadcast([1, 2], async_op=True),
                      "broadcast: x is a list; allowed: a numpy.ndarray"),

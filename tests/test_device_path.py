@@ -233,8 +233,22 @@ def _in_place_round(device, algorithm, nranks, count):
 
 
 def test_stream_for_numpy_arrays_is_an_error():
-    with pytest.raises(ValueError, match="stream=.*numpy arrays; allowed: None"):
+    with pytest.raises(ValueError, match="^allreduce: stream=.*numpy arrays; allowed: None"):
         pycoll.allreduce(np.ones(3), stream=object())
+
+
+@pytest.mark.parametrize("call", ["allgather", "recv"])
+def test_what_is_not_a_stream_is_refused_by_the_collectives_name(device, call):
+    def body():
+        x, peer = device_array(np.ones(3)), 1 - pycoll.world().rank
+        with pytest.raises(TypeError, match=f"^{call}: stream='s' is not a FakeStream"):
+            if call == "recv":
+                pycoll.recv(x, peer, stream="s")
+            else:
+                pycoll.allgather(x, stream="s")
+        return True
+
+    assert pycoll.run_local(2, body) == [True, True]
 
 
 def test_out_in_another_memory_is_an_error(device):
