@@ -63,7 +63,12 @@ install_wheels() {  # PREFIX WHEEL...
     --prefix "$@"
 }
 mapfile -t wheels_here < <(ls .whl/*.whl 2>/dev/null | grep -v '/numpy-')
-[ "${#wheels_here[@]}" -eq 0 ] || install_wheels "$prefix" "${wheels_here[@]}"
+if [ "${#wheels_here[@]}" -eq 0 ]; then  # said first: every MPI step below fails without them
+  echo "no wheels in .whl/ (bash bench/fetch_wheels.sh before the run, and carry .whl):" \
+    "mpiexec and mpi4py only as the machine has them" | tee -a "$out/environment.txt"
+else
+  install_wheels "$prefix" "${wheels_here[@]}"
+fi
 # pycoll laid out as pyproject.toml maps it (kernels/ and bindings/ inside the package), by
 # copying: no build backend (setuptools, wheel) is needed there.
 cp -r pycoll "$site/" && cp -r kernels "$site/pycoll/kernels" && cp -r bindings "$site/pycoll/bindings" \
