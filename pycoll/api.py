@@ -463,21 +463,21 @@ def reduce(
 
 def _reduce(comm: Communicator, x: Array, out: Array | None, op: ReduceOp, root: int,
             algorithm: str, stream: Any, space: Any, how: Any = None) -> tuple[Any, Any]:
-    """Reduce of checked arguments (``out`` is checked here, at the root only): the result
-    (None off the root), and how it ran (as ``_reduce_scatter``)."""
+    """Reduce of checked arguments (``out`` is checked here): the result (None off the
+    root), and how it ran (as ``_reduce_scatter``)."""
+    if comm.rank == root:  # before any exchange, on every path (off the root unused)
+        out = _out(out, x, x.shape, "reduce", may_alias=True)
     if how is None or how is _ONE_SHOT:
         slots = _small_exchange(comm, Collective.REDUCE, x, op, algorithm, stream, None, root)
         if slots is not None:
             if comm.rank != root:
                 return None, _ONE_SHOT
-            out = _out(out, x, x.shape, "reduce", may_alias=True)
             flat = out.reshape(-1)
             _sum_in_rank_order(flat, slots, HOST.reducer(op, x.dtype))
             if op is _AVG:
                 HOST.finish(flat, op, comm.size)
             return out, _ONE_SHOT
     if comm.rank == root:
-        out = _out(out, x, x.shape, "reduce", may_alias=True)
         work = out
     else:
         work = comm.buffer("reduce", x.size, x.dtype, space)  # partials pass non-roots
@@ -853,7 +853,10 @@ def _algorithm(algorithm: Any, collective: Collective) -> None:
         try:
             algorithms.check_family(algorithm, collective)
         except ValueError as error:
-            raise ValueError(f"{collective.value}: {error}") from None
+            why = ("" if algorithm != select.ONE_SHOT else
+                   " ('one_shot', as plans name it, is what 'auto' runs for small calls when "
+                   "every rank shares a node, with no schedule to force)")
+            raise ValueError(f"{collective.value}: {error}{why}") from None
 
 
 def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs: Any) -> Any:

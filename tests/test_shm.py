@@ -218,6 +218,18 @@ def test_one_shot_stands_aside_when_an_algorithm_is_forced(monkeypatch):
     assert run(2, lambda r: pycoll.world().one_shot()) == [None, None]
 
 
+def test_the_one_shot_a_plan_names_is_explained_when_passed_as_an_algorithm(monkeypatch):
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+
+    def body(rank):
+        named = pycoll.plan("allreduce", 64).algorithm
+        with pytest.raises(ValueError, match="is what 'auto' runs for small calls") as error:
+            pycoll.allreduce(np.ones(16, np.float32), algorithm=named)
+        return named, str(error.value).startswith("allreduce: algorithm='one_shot' is not")
+
+    assert run(2, body) == [("one_shot", True)] * 2
+
+
 def test_one_shot_reports_bad_out_like_the_general_path(monkeypatch):
     monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
 
@@ -234,6 +246,27 @@ def test_one_shot_reports_bad_out_like_the_general_path(monkeypatch):
 
     for result in run(2, body):
         np.testing.assert_array_equal(result, np.full(4, 2, np.float32))
+
+
+@pytest.mark.parametrize("count", [4, 100_000])  # the one-shot's size, and the schedules'
+def test_a_roots_bad_out_raises_before_its_part_in_reduce_at_any_size(monkeypatch, count):
+    """The root checks out before it takes part, as at every size: it raised after the
+    one-shot's exchange, so the other ranks returned as if the call had worked."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    said = []
+
+    def body(rank):
+        pycoll.world().timeout = 20
+        if rank == 0:
+            with pytest.raises(ValueError) as error:
+                pycoll.reduce(np.ones(count), root=0, out=np.zeros(count + 1))
+            said.append(str(error.value))
+        else:
+            pycoll.reduce(np.ones(count), root=0)
+
+    with pytest.raises(pycoll.Deadlock, match=r"rank 1 waits for ranks \[0\], which already"):
+        run(2, body)
+    assert said == [f"reduce: out.shape=({count + 1},); allowed: ({count},)"]
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3])
