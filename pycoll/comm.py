@@ -46,7 +46,7 @@ class Communicator:
         # first: a rank whose settings are bad raises below, alone, while its peers go on to
         # make the world together; uncaught, its error must end the job, not leave them
         _abort_job_on_uncaught_exception()
-        select.check_settings()
+        check_environment()
         MPI = mpi()
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(parent, MPI.Intracomm) or parent == MPI.COMM_NULL:
@@ -61,7 +61,7 @@ class Communicator:
     @classmethod
     def _over(cls, transport: Transport, p2p: Transport) -> Communicator:
         """A communicator over ready transports (the in-process world)."""
-        select.check_settings()
+        check_environment()
         comm = cls.__new__(cls)
         comm.mpi_comm = None
         comm._owns_mpi_comm = False
@@ -677,12 +677,18 @@ def _timeout_from_env() -> float | None:
 
 
 def check_environment() -> None:
-    """Raise what this rank's communicators would, later and one at a time, about its
-    PYCOLL_* settings: for a check before any is made (every rank together)."""
+    """Raise what this rank's PYCOLL_* settings would, later and one at a time, or only on
+    the path that reads them: when a communicator is made, and by the command line before
+    any (every rank together)."""
     from pycoll.bindings import shm
+    from pycoll.kernels import device
     from pycoll.schedule import Collective
+    from pycoll.settings import switch
 
     select.check_settings()
+    device.kernel_backend()  # PYCOLL_KERNELS
+    for name in ("PYCOLL_SHM_CMA", "PYCOLL_FORWARD", "PYCOLL_CUDA_AWARE_MPI"):
+        switch(name, None)  # read where used (shm.py, api.py, staged.py): 0 or 1
     select.forced_algorithm(Collective.ALLREDUCE)  # parses the whole of PYCOLL_ALGO
     _timeout_from_env()
     _host_transport_mode()

@@ -168,18 +168,23 @@ def test_all_leaves_out_what_the_options_cannot_run():
     assert on_gpu == {row.dtype.name for row in pycoll.kernels.table.GPU_DTYPES}  # no complex
 
 
-@pytest.mark.parametrize("command", ["bench", "compare"])
-def test_a_bad_setting_on_one_rank_stops_every_rank_and_is_said_once(command, tmp_path):
+@pytest.mark.parametrize("command,setting", [("bench", "PYCOLL_SEGMENTS=x"),
+                                             ("compare", "PYCOLL_SEGMENTS=x"),
+                                             ("bench", "PYCOLL_SHM_CMA=yes")])
+def test_a_bad_setting_on_one_rank_stops_every_rank_and_is_said_once(command, setting,
+                                                                      tmp_path):
     """A rank whose PYCOLL_SEGMENTS was bad stopped at once; its peers waited forever in
     making the world (collective) it never joined. The settings are now checked with the
-    command line, which the ranks agree on."""
+    command line, which the ranks agree on; PYCOLL_SHM_CMA was not among them (a hang)."""
     args = [sys.executable, "-P", "-m", "pycoll", command, "-e", "64", "-n", "1", "-w", "0",
             "--output" if command == "compare" else "--json", str(tmp_path / "out")]
-    done = subprocess.run([mpiexec(), "-n", "1", "env", "PYCOLL_SEGMENTS=x", *args, ":",
+    done = subprocess.run([mpiexec(), "-n", "1", "env", setting, *args, ":",
                            "-n", "2", *args], capture_output=True, text=True, timeout=120)
+    name, value = setting.split("=")
+    said = f"{name}='{value}' is invalid"
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.count("PYCOLL_SEGMENTS='x' is invalid") == 1, done.stderr
-    assert f"pycoll {command} (rank 0): PYCOLL_SEGMENTS='x' is invalid" in done.stderr
+    assert done.stderr.count(said) == 1, done.stderr
+    assert f"pycoll {command} (rank 0): {said}" in done.stderr
 
 
 def test_a_data_mover_times_every_dtype_against_native_mpi_as_bytes(tmp_path):

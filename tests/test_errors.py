@@ -378,3 +378,18 @@ def every_rank_raises(call):
     except Exception as error:  # the test inspects it
         return error
     return None
+
+
+@pytest.mark.parametrize("name,value,allowed", [
+    ("PYCOLL_SHM_CMA", "yes", "0 or 1"), ("PYCOLL_FORWARD", "yes", "0 or 1"),
+    ("PYCOLL_CUDA_AWARE_MPI", "yes", "0 or 1"), ("PYCOLL_KERNELS", "foo", "cupy, numba"),
+    ("PYCOLL_SHM_RING_BYTES", "1000", "an int in 16384"),
+    ("PYCOLL_DEVICE_TRANSPORT", "foo", "auto, ipc, staged")])
+def test_every_bad_setting_is_refused_when_ranks_are_made(monkeypatch, name, value, allowed):
+    """Settings read only on the path that uses them went unnoticed on every other (a numpy
+    program over the default transport, or one rank under mpiexec while its peers waited)."""
+    monkeypatch.setenv(name, value)
+    called = []
+    with pytest.raises(ValueError, match=f"{name}='{value}' is .*allowed: {allowed}"):
+        pycoll.run_local(2, lambda: called.append(pycoll.allreduce(np.ones(2))))
+    assert called == []

@@ -415,22 +415,26 @@ def test_a_killed_rank_ends_the_job_and_shared_memory_adds_no_leftovers(mode):
     assert len(left["auto"]) <= len(left["mpi"]), left
 
 
-def test_a_rank_with_a_bad_setting_ends_the_job_instead_of_leaving_its_peers():
+@pytest.mark.parametrize("setting,allowed", [("PYCOLL_SEGMENTS=x", "an int in 1..1024, or unset"),
+                                             ("PYCOLL_FORWARD=yes", "0 or 1")])
+def test_a_rank_with_a_bad_setting_ends_the_job_instead_of_leaving_its_peers(setting, allowed):
     """Rank 0 alone started with PYCOLL_SEGMENTS=x: it raised in making the world, before the
     hook that ends the job on an uncaught error was installed, and exited; the others waited
-    in making the world until killed."""
+    in making the world until killed. PYCOLL_FORWARD=yes went unnoticed (read by device
+    calls only): the job finished."""
     started = time.monotonic()
     before = shm_files()
     program = ["-c", "import numpy, pycoll; pycoll.allreduce(numpy.ones(2)); print('finished')"]
     done = subprocess.run(
-        [mpiexec(), "-n", "1", "env", "PYCOLL_SEGMENTS=x", sys.executable, *program, ":",
+        [mpiexec(), "-n", "1", "env", setting, sys.executable, *program, ":",
          "-n", "2", sys.executable, *program], capture_output=True, text=True, timeout=120)
     for name in shm_files() - before:  # MPICH's own segment, left by MPI_Abort: not ours
         Path("/dev/shm", name).unlink(missing_ok=True)
     output = done.stdout + done.stderr
+    name, value = setting.split("=")
     assert done.returncode != 0 and "finished" not in output, output
-    assert ("pycoll: rank 0 raised ValueError: PYCOLL_SEGMENTS='x' is invalid; allowed: an int "
-            "in 1..1024, or unset; aborting the job") in output
+    assert (f"pycoll: rank 0 raised ValueError: {name}='{value}' is invalid; allowed: "
+            f"{allowed}; aborting the job") in output
     assert time.monotonic() - started < 60
 
 
