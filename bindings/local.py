@@ -88,6 +88,21 @@ class LocalWorld:
         self._threads_before = (set(threading.enumerate()) if threads_before is None
                                 else threads_before)
         self._last_progress = time.monotonic()
+        self._queues: dict[int, list[Any]] = defaultdict(list)  # rank -> its async workers
+
+    def add_queue(self, rank: int, queue: Any) -> None:
+        """``queue`` (pycoll/work.py's AsyncQueue) runs async collectives for ``rank``."""
+        with self._lock:
+            self._queues[rank].append(queue)
+
+    def drain_queues(self, rank: int) -> None:
+        """A rank that returns lets its async work finish first, as a process's exit waits
+        for its executor threads: left running, it outlived run_local (a thread and every
+        buffer per communicator, gigabytes over quick runs), and could fail at close."""
+        with self._lock:
+            queues = list(self._queues.get(rank, ()))
+        for queue in queues:
+            queue.drain()
 
     def endpoint(self, rank: int, channel: str = "collective") -> LocalTransport:
         return LocalTransport(self, rank, channel)
@@ -126,6 +141,11 @@ class LocalWorld:
         """The run is over: every wait, and every later call on a communicator kept from it,
         fails at once (its peers are gone) rather than wait for ranks that will never call."""
         self.fail(None, RuntimeError(why))
+        with self._lock:
+            queues = [queue for kept in self._queues.values() for queue in kept]
+            self._queues.clear()  # (each holds this world: no cycle left for the collector)
+        for queue in queues:  # their threads end once idle, not when collected
+            queue.close()
 
     def _wake_everyone(self) -> None:
         for condition in self._wakeup:
@@ -381,6 +401,7 @@ def run_threads(nranks: int, body: Callable[[int, LocalWorld], Any],
     def run(rank: int) -> None:
         try:
             results[rank] = body(rank, world)
+            world.drain_queues(rank)  # a Deadlock where its work can never finish
         except BaseException as error:  # re-raised in the caller
             world.fail(rank, error)
         finally:

@@ -162,7 +162,9 @@ class _ThreadBarrier:
                 self._condition.notify_all()
                 return
             while self._generation == generation:
-                if not self._condition.wait(timeout=every):
+                # timed out, but the round may have ended while the lock was retaken: the
+                # arrivals are then the next round's (a rank was named as waiting for itself)
+                if not self._condition.wait(timeout=every) and self._generation == generation:
                     missing = [i for i in range(self._count) if i not in self._arrived]
                     self._condition.release()
                     try:

@@ -97,6 +97,8 @@ class AsyncQueue:
         self._world, self._rank = world, rank
         self._queued = 0
         self.worker: int | None = None  # the worker thread's ident
+        if world is not None:
+            world.add_queue(rank, self)
 
     def submit(self, fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Work:
         def job() -> Any:
