@@ -788,7 +788,10 @@ def barrier(comm: Communicator | None = None, *, async_op: bool = False) -> Any:
     comm = _comm(comm)
     shared = comm.one_shot_for(Collective.ALLREDUCE)
     x = np.zeros(1, np.int8)
-    allreduce(x, comm=comm, algorithm="auto" if shared is not None else "direct")
+    try:
+        allreduce(x, comm=comm, algorithm="auto" if shared is not None else "direct")
+    except (ValueError, TimeoutError) as error:  # a peer in another call: named by its own
+        raise type(error)(f"barrier (an allreduce of one int8): {error}") from None
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,

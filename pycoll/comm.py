@@ -531,10 +531,10 @@ class Communicator:
         try:
             self.free_device_buffers()  # collective even where this rank made no endpoint
             barrier(self)  # nobody still reads a peer's memory
-        except CollectiveTimeout as error:  # it named a collective the program did not call
-            raise self.broken_by(CollectiveTimeout(
-                f"free() (collective: every rank of the communicator calls it): {error}")
-            ) from None
+        except (ValueError, TimeoutError) as error:  # named calls the program did not make
+            said = type(error)(f"free() (collective: every rank of the communicator calls "
+                               f"it): {error}")
+            raise said if isinstance(error, agree.AgreedError) else self.broken_by(said) from None
         if self._shared is not None:
             self._shared.free()
         if self._node_comm is not None:

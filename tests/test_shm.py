@@ -841,3 +841,24 @@ def test_async_work_left_unwaited_finishes_with_its_rank_and_leaves_no_thread(mo
             break
         time.sleep(0.05)
     assert left == set()
+
+
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_free_on_one_rank_beside_another_call_is_named_free(monkeypatch, check):
+    """free()'s barrier, an allreduce of one int8, was reported as an "allreduce" the
+    program never made."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setenv("PYCOLL_CHECK", check)
+
+    def body(rank):
+        comm = pycoll.world().split(0)
+        comm.timeout = 20
+        x = np.ones(4, np.float32)
+        with pytest.raises(ValueError) as error:
+            comm.free() if rank == 0 else pycoll.allreduce(x, comm=comm)
+        return str(error.value)
+
+    freed, other = run(2, body)
+    assert freed.startswith("free() (collective: every rank of the communicator calls it): "
+                            "barrier (an allreduce of one int8): "), freed
+    assert other.startswith("allreduce: " if check == "0" else "rank 1: "), other
