@@ -675,3 +675,31 @@ def test_a_thread_reusing_an_ended_threads_ident_is_still_new():
 
     assert pycoll.run_local(2, _a_thread_computes_then_sends,
                             end_the_lingering_thread)[0] == [10.0, 20.0]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_free_lets_queued_collectives_and_posted_send_recv_finish(monkeypatch, transport):
+    """As the README says of free(): queued async collectives finish first, and a posted
+    Send/Recv still completes after it (as after MPI_Comm_free), a dropped send included."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", transport)
+    count = 1 << 18  # beyond the shared-memory ring's one piece
+
+    def body(rank):
+        comm = pycoll.world().split(0)
+        comm.timeout = 20
+        queued = pycoll.allreduce(np.full(5, rank + 1), comm=comm, async_op=True)
+        if rank == 0:
+            message = np.zeros(count)
+            posted = pycoll.recv(message, 1, tag=3, comm=comm, async_op=True)
+        else:
+            pycoll.send(np.arange(count, dtype=np.float64), 0, tag=3, comm=comm,
+                        async_op=True)  # dropped unwaited
+        comm.free()
+        assert queued.done()
+        total = queued.wait()
+        return total, posted.wait() if rank == 0 else None
+
+    (total, message), (other, _) = run(2, body)
+    np.testing.assert_array_equal(total, np.full(5, 3))
+    np.testing.assert_array_equal(other, np.full(5, 3))
+    np.testing.assert_array_equal(message, np.arange(count, dtype=np.float64))
