@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything pycoll checks on an NVIDIA GPU, in one call of well under 8 minutes, on a machine
 # that may have no network: AllReduce, ReduceScatter and AllGather at 2 and 4 MPI ranks sharing
-# the GPU through CUDA IPC, every algorithm, with --check, and the ring AllReduce without
-# forwarding (PYCOLL_FORWARD=0); the kernels' bandwidth; the GPU tests.
+# the GPU through CUDA IPC, every algorithm, with --check, Send/Recv at 2, and the ring
+# AllReduce without forwarding (PYCOLL_FORWARD=0); the kernels' bandwidth; the GPU tests.
 # Results go to $OUT (the device tool's folder) or bench/results/gpu-raw.
 #   bash bench/fetch_wheels.sh   # here, with network: mpi4py, mpich, numpy wheels into .whl/
 #   bash bench/gpu_check.sh      # there (device run: carry .whl, timeout_s = GPU_CHECK_SECONDS + 60)
@@ -224,6 +224,8 @@ for ranks in 2 4; do
       || collectives_status=$?
   done
 done
+# Send/Recv over the same IPC endpoints (each rank to rank + 1, from rank - 1), checked
+bench_collective "" sendrecv-2 2 sendrecv || collectives_status=$?
 # The ring's forwarding (reduce or copy and send in one pass) against two passes:
 # PYCOLL_FORWARD=0, the same run as allreduce-4's ring rows otherwise.
 PYCOLL_FORWARD=0 bench_collective ", ring, PYCOLL_FORWARD=0" unforwarded-allreduce-4 4 \

@@ -47,7 +47,9 @@ COLLECTIVES = {
     "broadcast": Collective.BROADCAST,
     "reduce": Collective.REDUCE,
     "alltoall": Collective.ALLTOALL,
+    "sendrecv": Collective.SENDRECV,  # nccl-tests' sendrecv_perf: to rank + 1, from rank - 1
 }
+ONE_ALGORITHM = (Collective.ALLTOALL, Collective.SENDRECV)  # direct, and nothing to select
 CHECK_CHUNK = 1 << 20  # elements of the oracle computed at a time, to bound its memory
 DEVICES = ("host", "shared", "cuda")
 
@@ -164,7 +166,7 @@ def validate(options: Options) -> Collective:
     if options.iters < 1 or options.warmup < 0:
         raise ValueError(f"--iters={options.iters} --warmup={options.warmup}; "
                          "allowed: iters >= 1, warmup >= 0")
-    allowed = families_for(collective) if collective is not Collective.ALLTOALL else ["direct"]
+    allowed = families_for(collective) if collective not in ONE_ALGORITHM else ["direct"]
     if not options.algorithms:
         raise ValueError("--algorithm names no algorithm; allowed: a comma-separated list of "
                          "auto, " + ", ".join(allowed) + ", or all")
@@ -186,7 +188,7 @@ def validate(options: Options) -> Collective:
     problem = pair_error(options, collective, options.dtype, options.op)
     if problem:
         raise ValueError(problem)
-    if "auto" in options.algorithms and collective is not Collective.ALLTOALL:
+    if "auto" in options.algorithms and collective not in ONE_ALGORITHM:
         select.check_forced(collective)  # PYCOLL_ALGO's family must serve auto's calls
     return collective
 
@@ -252,6 +254,7 @@ def check_sweeps(runs: list[Options], nranks: int, here: int = 0,
         collective = validate(each)
         if collective in ROOTED and not 0 <= each.root < nranks:  # others ignore it
             raise ValueError(f"--root={each.root} is not a rank; allowed: 0..{nranks - 1}")
+        _check_peers(collective, nranks)
         dtype = np.dtype(check_dtype(each.dtype))
         swept = distinct_sizes(each, collective, dtype, nranks)
         if available is not None and here > 0:
@@ -263,6 +266,13 @@ def check_sweeps(runs: list[Options], nranks: int, here: int = 0,
 # within it for every collective and family but direct AllReduce, which receives every
 # peer's whole array: nranks + 1 (4 ranks at 64 MiB: 383 MiB a rank; 6 at 32 MiB: 271).
 WORKING_FACTOR = 2
+
+
+def _check_peers(collective: Collective, nranks: int) -> None:
+    if collective is Collective.SENDRECV and nranks < 2:  # pycoll sends to no rank itself
+        raise ValueError(f"sendrecv on {nranks} rank: each rank sends to the next and receives "
+                         "from the one before, never itself; allowed: 2 ranks or more "
+                         "(--ranks, or mpiexec -n)")
 
 
 def _working_factor(options: Options, collective: Collective, nranks: int) -> int:
@@ -363,6 +373,7 @@ def run(options: Options, comm: Communicator, on_row: Callable[[Row], None] | No
                          "have no native MPI to time)")
     if collective in ROOTED and not 0 <= options.root < comm.size:  # others ignore it
         raise ValueError(f"--root={options.root} is not a rank; allowed: 0..{comm.size - 1}")
+    _check_peers(collective, comm.size)
     all_sizes = distinct_sizes(options, collective, dtype, comm.size)
     rows: list[Row] = []
     bandwidth = node_copy_bandwidth(comm) if options.roofline else None
@@ -406,7 +417,7 @@ def min_memory_traffic(collective: Collective, nbytes: int, nranks: int) -> int:
     input), when ranks may read each other's memory in place (docs/performance.md): every
     input byte read once, every output byte written once, nothing else."""
     p, n = nranks, nbytes
-    if collective in (Collective.ALLREDUCE, Collective.ALLTOALL):
+    if collective in (Collective.ALLREDUCE, Collective.ALLTOALL, Collective.SENDRECV):
         return 2 * p * n  # p inputs read, p outputs written
     if collective in (Collective.REDUCE_SCATTER, Collective.REDUCE):
         return p * n + n  # p inputs read; p shards of n/p (or one result of n) written
@@ -501,6 +512,12 @@ class _Case:
             pycoll.broadcast(x, self.root, comm=self.comm, **kw)
         elif c is Collective.REDUCE:
             pycoll.reduce(x, self.op, self.root, out=out, comm=self.comm, **kw)
+        elif c is Collective.SENDRECV:  # both posted, then waited: as nccl-tests' group
+            p, rank = self.comm.size, self.comm.rank
+            received = pycoll.recv(out, (rank - 1) % p, comm=self.comm, async_op=True)
+            sent = pycoll.send(x, (rank + 1) % p, comm=self.comm, async_op=True)
+            sent.wait()
+            received.wait()
         else:
             pycoll.alltoall(x, out=out, comm=self.comm)
 
@@ -521,6 +538,9 @@ class _Case:
             native.Bcast(x, root=self.root)
         elif c is Collective.REDUCE:
             native.Reduce(x, out, op=op, root=self.root)
+        elif c is Collective.SENDRECV:
+            p, rank = self.comm.size, self.comm.rank
+            native.Sendrecv(x, (rank + 1) % p, recvbuf=out, source=(rank - 1) % p)
         else:
             native.Alltoall(x, out)
 
@@ -553,6 +573,8 @@ class _Case:
             return oracle.allreduce([values(r, start, stop) for r in range(p)], op)
         if c is Collective.BROADCAST:
             return values(self.root, start, stop)
+        if c is Collective.SENDRECV:
+            return values((rank - 1) % p, start, stop)
         # AllGather and AllToAll: element i comes from source i // shard, at offset i % shard
         # of the source's piece (its own shard, or the piece addressed to this rank).
         shard = self.count // p
@@ -642,7 +664,8 @@ def _check_values(rank: int, nranks: int, start: int, stop: int, op: str, dtype:
     index = np.arange(start, stop, dtype=np.int64)
     if collective is Collective.ALLTOALL and piece > 0:
         values = 1 + (37 * (rank * nranks + index // piece) + 11 * (index % piece)) % 101
-    elif collective in (Collective.BROADCAST, Collective.ALLGATHER, Collective.ALLTOALL):
+    elif collective in (Collective.BROADCAST, Collective.ALLGATHER, Collective.ALLTOALL,
+                        Collective.SENDRECV):
         values = 1 + (37 * rank + 11 * index) % 101
     else:
         if rank == 0:
@@ -682,7 +705,7 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
         row.native_busbw = _algbw(nbytes, native_us) * factor
         row.ratio = native_us / time_us if time_us > 0 else None
     del case  # its buffers, before the in-place case's (a sweep's largest size)
-    if options.in_place:
+    if options.in_place and collective is not Collective.SENDRECV:  # (x received into x)
         in_place = _Case(options, collective, dtype, size, comm, in_place=True)
         row.in_place_time_us = _time(in_place, algorithm, options, barrier, None)[0]
         row.in_place_algbw = _algbw(nbytes, row.in_place_time_us)

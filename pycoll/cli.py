@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("collective", nargs="?", default="allreduce",
                        help="allreduce (default), reduce_scatter, allgather, broadcast, reduce, "
-                            "alltoall; or 'kernels' for the GPU kernels' bandwidth")
+                            "alltoall, sendrecv (to rank + 1, from rank - 1); or 'kernels' for "
+                            "the GPU kernels' bandwidth")
     bench.add_argument("-b", "--min-bytes", default="8", help="smallest size (default 8)")
     bench.add_argument("-e", "--max-bytes", default="32M", help="largest size (default 32M)")
     bench.add_argument("-f", "--step-factor", type=int, default=2, help="size multiplier")
@@ -323,7 +324,8 @@ def _bench(args: argparse.Namespace) -> int:
             against=args.against,
             device=args.device,
             roofline=args.roofline,
-            in_place=bool(args.in_place),
+            # sendrecv's in place would receive into what it sends
+            in_place=bool(args.in_place) and args.collective != "sendrecv",
         )
         runs = bench.combinations(options)  # one per (dtype, op) of -d and -o
         if args.backend != KERNEL_BACKENDS:
@@ -405,11 +407,12 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
             iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=_op_name(args.op),
             root=args.root,
         )
-        if args.collective == "alltoall":
-            raise ValueError("collective='alltoall' has one algorithm (direct): nothing to compare")
+        if args.collective in ("alltoall", "sendrecv"):
+            raise ValueError(f"collective={args.collective!r} has one algorithm (direct): "
+                             "nothing to compare")
         if args.collective not in bench.COLLECTIVES:
             raise ValueError(f"collective={args.collective!r} is unknown; allowed: " + ", ".join(
-                c for c in bench.COLLECTIVES if c != "alltoall"))
+                c for c in bench.COLLECTIVES if c not in ("alltoall", "sendrecv")))
         bench.validate(options)
         _ranks_flag(args.ranks)
         if args.output in ("", "-"):  # "" would name the current folder
@@ -480,7 +483,7 @@ def _model(args: argparse.Namespace) -> int:
 
     try:
         collective = bench.COLLECTIVES.get(args.collective)
-        if collective is None or collective is bench.Collective.ALLTOALL:
+        if collective is None or collective in bench.ONE_ALGORITHM:
             raise ValueError(f"collective={args.collective!r}; allowed: allreduce, "
                              "reduce_scatter, allgather, broadcast, reduce")
         try:

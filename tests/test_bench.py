@@ -36,7 +36,7 @@ def test_sweep_includes_both_ends_when_they_line_up():
 @pytest.mark.parametrize("collective,factor", [
     (Collective.ALLREDUCE, 2 * 3 / 4), (Collective.REDUCE_SCATTER, 3 / 4),
     (Collective.ALLGATHER, 3 / 4), (Collective.ALLTOALL, 3 / 4),
-    (Collective.BROADCAST, 1.0), (Collective.REDUCE, 1.0),
+    (Collective.BROADCAST, 1.0), (Collective.REDUCE, 1.0), (Collective.SENDRECV, 1.0),
 ])
 def test_bus_bandwidth_factors_follow_nccl_tests(collective, factor):
     assert bench.bus_factor(collective, 4) == pytest.approx(factor)
@@ -191,7 +191,7 @@ def test_a_data_mover_times_every_dtype_against_native_mpi_as_bytes(tmp_path):
     """mpi4py has no bfloat16 (and MPI no half-precision reductions): AllGather, Broadcast
     and AllToAll move bytes, so --against mpi times them on every dtype."""
     out = tmp_path / "rows.json"
-    for collective in ("allgather", "broadcast", "alltoall"):
+    for collective in ("allgather", "broadcast", "alltoall", "sendrecv"):
         done = subprocess.run(
             [mpiexec(), "-n", "2", sys.executable, "-m", "pycoll", "bench", collective, "-b",
              "64", "-e", "64", "-n", "1", "-w", "0", "-d", "bfloat16,complex128,int8",
@@ -367,13 +367,13 @@ def test_device_bench_runs_end_to_end_on_the_stand_in_device(monkeypatch, capsys
     monkeypatch.setitem(sys.modules, "cupy", cupy_look_alike(fake))
     spaces.register(fake)
     try:
-        for collective in ("allreduce", "reduce_scatter", "allgather"):
+        for collective in ("allreduce", "reduce_scatter", "allgather", "sendrecv"):
             assert main(["bench", collective, "--ranks", "3", "--device", "cuda", "--algorithm",
                          "all", "-b", "8", "-e", "64K", "-f", "8", "-n", "2", "-w", "1"]) == 0
     finally:
         spaces.unregister(fake)
     out = capsys.readouterr().out
-    assert out.count("# out of bounds values: 0 OK") == 3 and "ring" in out
+    assert out.count("# out of bounds values: 0 OK") == 4 and "ring" in out
 
 
 def test_kernel_bench_measures_every_kernel_on_a_gpu(capsys):
@@ -671,7 +671,7 @@ def test_count_is_per_rank_where_nccl_tests_prints_it_so(capsys, collective, cou
     assert (row["size"], row["count"]) == (32, count)
 
 
-@pytest.mark.parametrize("collective", list(bench.COLLECTIVES))
+@pytest.mark.parametrize("collective", [c for c in bench.COLLECTIVES if c != "sendrecv"])
 def test_each_size_is_timed_and_checked_in_place_too(capsys, collective):
     """As nccl-tests' second set of columns: the same call in place (AllGather's x this rank's
     rows of out, ReduceScatter's out this rank's rows of x, the others out=x)."""
@@ -731,3 +731,51 @@ def test_the_mean_bus_bandwidth_counts_every_row_in_both_sets():
         "# out of bounds values: 0 OK", "# Avg bus bandwidth    : 3"]
     rows[1].in_place_busbw = None  # --in-place 0
     assert bench.format_footer(rows).splitlines()[1] == "# Avg bus bandwidth    : 2"
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_sendrecv_sends_to_the_next_rank_as_nccl_tests_sendrecv_perf(capsys, nranks):
+    """Each rank sends to rank + 1 and receives from rank - 1; busbw = algbw; no redop, root
+    or in-place columns (nccl-tests checks no in-place sendrecv; it would receive into what
+    it sends)."""
+    assert main(["bench", "sendrecv", "--ranks", str(nranks), "-b", "1", "-e", "1M", "-f",
+                 "32", "-n", "2", "-w", "1", "-d", "int8", "--json", "-"]) == 0
+    printed = capsys.readouterr()
+    rows = json.loads(printed.out)
+    assert [r["count"] for r in rows] == [1, 32, 1024, 32768, 1 << 20]
+    for row in rows:
+        assert row["wrong"] == 0 and row["in_place_time_us"] is None
+        assert (row["redop"], row["root"], row["algorithm"]) == ("none", -1, "auto")
+        assert row["busbw"] == pytest.approx(row["algbw"])
+    assert "in-place" not in printed.err
+
+
+def test_the_check_counts_a_message_from_the_wrong_rank(monkeypatch, capsys):
+    """Sent to rank + 2 and received from rank - 2 (the pairs still match at 3 ranks): every
+    element is another rank's."""
+    import pycoll
+
+    real_send, real_recv = pycoll.send, pycoll.recv
+
+    def send(x, dst, *args, comm=None, **kwargs):
+        return real_send(x, (dst + 1) % comm.size, *args, comm=comm, **kwargs)
+
+    def recv(out, src, *args, comm=None, **kwargs):
+        return real_recv(out, (src - 1) % comm.size, *args, comm=comm, **kwargs)
+
+    monkeypatch.setattr(pycoll, "send", send)
+    monkeypatch.setattr(pycoll, "recv", recv)
+    assert main(["bench", "sendrecv", "--ranks", "3", "-b", "400", "-e", "400", "-n", "1",
+                 "-w", "0", "--json", "-"]) == 1
+    assert json.loads(capsys.readouterr().out)[0]["wrong"] == 3 * 100
+
+
+@pytest.mark.parametrize("command,args,says", [
+    ("bench", [], "sendrecv on 1 rank: each rank sends to the next and receives from the one "
+                  "before, never itself; allowed: 2 ranks or more"),
+    ("compare", ["--ranks", "2"], "collective='sendrecv' has one algorithm (direct)"),
+    ("model", [], "collective='sendrecv'; allowed: allreduce"),
+])
+def test_sendrecv_is_refused_where_it_cannot_run(capsys, command, args, says):
+    assert main([command, "sendrecv", *args]) == 2
+    assert says in capsys.readouterr().err

@@ -134,7 +134,7 @@ exit 0
     assert all(len(p.relative_to(out).parts) <= 3 for p in files), files
     # the page was written before the first collective ran
     made = calls.read_text().split("\n")[:-1]
-    ipc_made = 1 if ipc_fails else 7  # after one failure or hang the rest are skipped
+    ipc_made = 1 if ipc_fails else 8  # after one failure or hang the rest are skipped
     assert made == ["ipc page"] * ipc_made + (["staged page"] if ipc_fails else []), made
     page = (out / "gpu-summary.md").read_text()
     # each test file's run, with its exit
@@ -142,12 +142,12 @@ exit 0
     assert "# tests/test_kernels_cuda.py: exit " in page, page
     ipc_runs = [f"{c}-{n}.json" for n in (2, 4) for c in ("allreduce", "reduce_scatter",
                                                           "allgather")]
-    ipc_runs.append("unforwarded-allreduce-4.json")
+    ipc_runs += ["sendrecv-2.json", "unforwarded-allreduce-4.json"]
     if ipc_fails:
         assert "| allreduce (staged through the host, no IPC) | 2 | 1 | 0 |" in page, page
         assert f"| allreduce | 2 | 0 | - | - | - | {ipc_fails} |" in page, page
         assert "| allgather | 4 | 0 | - | - | - | 125 |" in page, page
-        assert "IPC collective #wrong = 0: not shown: 7 run(s) did not finish" in page, page
+        assert "IPC collective #wrong = 0: not shown: 8 run(s) did not finish" in page, page
         assert "An IPC run failed, so gpu_check.sh ran AllReduce staged" in page
         archived = ["staged-allreduce-2.json"]
     else:
