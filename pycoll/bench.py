@@ -650,27 +650,37 @@ class _Memory:
             self.stream.synchronize()
 
 
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier (2**64 / golden ratio)
+
+
+def _mixed(index: np.ndarray, modulus: int) -> np.ndarray:
+    """Position i scrambled into 0..modulus-1 with no short period (i mod 3 and 11i mod 101
+    repeat every 3 and 101 positions: a block moved by such an offset read as right)."""
+    return (((index.astype(np.uint64) * _MIX) >> np.uint64(40)) % np.uint64(modulus)).astype(
+        np.int64)
+
+
 def _check_values(rank: int, nranks: int, start: int, stop: int, op: str, dtype: np.dtype,
                   collective: Collective, piece: int = 0) -> np.ndarray:
     """Position i of rank r: small integers, so that every algorithm's result is exact, which
-    tell ranks and positions apart in the result. Moved data: 1 + (37r + 11i) mod 101; for
+    tell ranks and positions apart in the result (m(i) below: i scrambled, ``_mixed``, so
+    that a block moved by any offset shows). Moved data: 1 + (37r + m(i)) mod 101; for
     AllToAll, whose pieces of ``piece`` elements go one to each rank d, position k of piece d
-    holds 1 + (37(rn + d) + 11k) mod 101, so that no two pieces' patterns are alike up to 10
-    ranks, whatever the piece's length (with 37r + 11i, every piece of a rank was alike where
-    the length was a multiple of 101, and a piece sent to the wrong peer passed). Reduced
-    data: rank 0 holds a pattern over i, period-free (the exponent of i + 1, plus i, mod 3), so
-    a block moved by any offset shows; rank r > 0 holds 1, and 2 where i mod p = r, so a
-    contribution lost or doubled shows, for sum, avg, prod and max; min takes 4 minus that."""
+    holds 1 + (37(rn + d) + m(k)) mod 101, so that no two pieces' values are alike at any
+    position up to 10 ranks, whatever the piece's length (with 37r + 11i, every piece of a
+    rank was alike where the length was a multiple of 101, and a piece sent to the wrong peer
+    passed). Reduced data: rank 0 holds 1 + m(i) mod 3; rank r > 0 holds 1, and 2 where
+    i mod p = r, so a contribution lost or doubled shows, for sum, avg, prod and max; min
+    takes 4 minus that."""
     index = np.arange(start, stop, dtype=np.int64)
     if collective is Collective.ALLTOALL and piece > 0:
-        values = 1 + (37 * (rank * nranks + index // piece) + 11 * (index % piece)) % 101
+        values = 1 + (37 * (rank * nranks + index // piece) + _mixed(index % piece, 101)) % 101
     elif collective in (Collective.BROADCAST, Collective.ALLGATHER, Collective.ALLTOALL,
                         Collective.SENDRECV):
-        values = 1 + (37 * rank + 11 * index) % 101
+        values = 1 + (37 * rank + _mixed(index, 101)) % 101
     else:
         if rank == 0:
-            exponent = np.frexp((index + 1).astype(np.float64))[1]  # exact below 2**53
-            values = 1 + (exponent + index) % 3
+            values = 1 + _mixed(index, 3)
         else:
             values = 1 + (index % nranks == rank)
         if op == "min":

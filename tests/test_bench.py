@@ -779,3 +779,28 @@ def test_the_check_counts_a_message_from_the_wrong_rank(monkeypatch, capsys):
 def test_sendrecv_is_refused_where_it_cannot_run(capsys, command, args, says):
     assert main([command, "sendrecv", *args]) == 2
     assert says in capsys.readouterr().err
+
+
+def _shifted_within(call, at: int, by: int, length: int):
+    """``call``, after which out[at:at + length] holds what out[at + by:...] should."""
+    def faulty(*args, out=None, **kwargs):
+        result = call(*args, out=out, **kwargs)
+        result[at:at + length] = result[at + by:at + by + length].copy()
+        return result
+
+    return faulty
+
+
+@pytest.mark.parametrize("collective,by", [("allreduce", 6), ("allgather", 101)])
+def test_the_check_counts_a_block_moved_by_the_old_patterns_period(monkeypatch, capsys,
+                                                                   collective, by):
+    """Rank 0's reduced data was 1 + (exponent(i + 1) + i) mod 3, and moved data
+    1 + (37r + 11i) mod 101: a block moved by a multiple of 3 (and of the rank count) within
+    one power of two, or by 101 within a rank's block, read as right."""
+    import pycoll
+
+    monkeypatch.setattr(pycoll, collective, _shifted_within(getattr(pycoll, collective), 70,
+                                                            by, 30))
+    assert main(["bench", collective, "--ranks", "2", "-b", "4096", "-e", "4096", "-n", "1",
+                 "-w", "0", "--in-place", "0", "-d", "int32", "--json", "-"]) == 1
+    assert json.loads(capsys.readouterr().out)[0]["wrong"] > 0
