@@ -407,12 +407,12 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
             iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=_op_name(args.op),
             root=args.root,
         )
-        if args.collective in ("alltoall", "sendrecv"):
+        if bench.COLLECTIVES.get(args.collective) in bench.ONE_ALGORITHM:
             raise ValueError(f"collective={args.collective!r} has one algorithm (direct): "
                              "nothing to compare")
         if args.collective not in bench.COLLECTIVES:
             raise ValueError(f"collective={args.collective!r} is unknown; allowed: " + ", ".join(
-                c for c in bench.COLLECTIVES if c not in ("alltoall", "sendrecv")))
+                name for name, c in bench.COLLECTIVES.items() if c not in bench.ONE_ALGORITHM))
         bench.validate(options)
         _ranks_flag(args.ranks)
         if args.output in ("", "-"):  # "" would name the current folder
