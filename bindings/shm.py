@@ -738,8 +738,13 @@ def _dtype_name(number: int) -> str:
     return f"dtype number {number}"
 
 
+def cma_setting() -> bool:
+    """``PYCOLL_SHM_CMA``: whether peers may read each other's memory directly (default 1)."""
+    return bool(switch("PYCOLL_SHM_CMA", True))
+
+
 def _cma_enabled() -> bool:
-    return bool(switch("PYCOLL_SHM_CMA", True)) and _libc() is not None
+    return cma_setting() and _libc() is not None
 
 
 class _IoVec(ctypes.Structure):

@@ -21,10 +21,15 @@ from pycoll.settings import switch
 PIECE_BYTES = 4 << 20
 
 
+def forced_cuda_awareness() -> bool | None:
+    """``PYCOLL_CUDA_AWARE_MPI`` (0 or 1), or None where unset: the library is asked."""
+    return switch("PYCOLL_CUDA_AWARE_MPI", None)
+
+
 def cuda_aware_mpi(mpi_comm: Any) -> bool:
     """Whether the MPI library takes CUDA device buffers on ``mpi_comm`` (an mpi4py
     communicator; ``PYCOLL_CUDA_AWARE_MPI`` overrides)."""
-    forced = switch("PYCOLL_CUDA_AWARE_MPI", None)
+    forced = forced_cuda_awareness()
     if forced is not None:
         return forced
     # MPI 4.1's memory kinds: those the library supports are the communicator's info; the

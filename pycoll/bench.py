@@ -50,6 +50,7 @@ COLLECTIVES = {
     "sendrecv": Collective.SENDRECV,  # nccl-tests' sendrecv_perf: to rank + 1, from rank - 1
 }
 ONE_ALGORITHM = (Collective.ALLTOALL, Collective.SENDRECV)  # direct, and nothing to select
+NO_IN_PLACE = (Collective.SENDRECV,)  # it would receive into what it sends (nccl-tests: unchecked)
 CHECK_CHUNK = 1 << 20  # elements of the oracle computed at a time, to bound its memory
 DEVICES = ("host", "shared", "cuda")
 
@@ -715,7 +716,7 @@ def _measure(options, collective, dtype, size, algorithm, comm, native) -> Row:
         row.native_busbw = _algbw(nbytes, native_us) * factor
         row.ratio = native_us / time_us if time_us > 0 else None
     del case  # its buffers, before the in-place case's (a sweep's largest size)
-    if options.in_place and collective is not Collective.SENDRECV:  # (x received into x)
+    if options.in_place and collective not in NO_IN_PLACE:
         in_place = _Case(options, collective, dtype, size, comm, in_place=True)
         row.in_place_time_us = _time(in_place, algorithm, options, barrier, None)[0]
         row.in_place_algbw = _algbw(nbytes, row.in_place_time_us)

@@ -324,8 +324,8 @@ def _bench(args: argparse.Namespace) -> int:
             against=args.against,
             device=args.device,
             roofline=args.roofline,
-            # sendrecv's in place would receive into what it sends
-            in_place=bool(args.in_place) and args.collective != "sendrecv",
+            in_place=(bool(args.in_place)
+                      and bench.COLLECTIVES.get(args.collective) not in bench.NO_IN_PLACE),
         )
         runs = bench.combinations(options)  # one per (dtype, op) of -d and -o
         if args.backend != KERNEL_BACKENDS:

@@ -680,15 +680,16 @@ def check_environment() -> None:
     """Raise what this rank's PYCOLL_* settings would, later and one at a time, or only on
     the path that reads them: when a communicator is made, and by the command line before
     any (every rank together)."""
-    from pycoll.bindings import shm
+    from pycoll.bindings import shm, staged
     from pycoll.kernels import device
     from pycoll.schedule import Collective
     from pycoll.settings import switch
 
     select.check_settings()
     device.kernel_backend()  # PYCOLL_KERNELS
-    for name in ("PYCOLL_SHM_CMA", "PYCOLL_FORWARD", "PYCOLL_CUDA_AWARE_MPI"):
-        switch(name, None)  # read where used (shm.py, api.py, staged.py): 0 or 1
+    shm.cma_setting()
+    switch("PYCOLL_FORWARD", True)  # as api._forwarding reads it (which tests replace)
+    staged.forced_cuda_awareness()
     select.forced_algorithm(Collective.ALLREDUCE)  # parses the whole of PYCOLL_ALGO
     _timeout_from_env()
     _host_transport_mode()
