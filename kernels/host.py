@@ -211,6 +211,8 @@ def reducer(op: ReduceOp, dtype: np.dtype) -> Callable[..., None]:
                 # would leave the others waiting; the collective gives inf, as MPI does.
                 pass
 
+        if ufunc is np.multiply and np.dtype(dtype) in _COMPLEX_DTYPES:
+            return _complex_product(reduce)
         reduce.ufunc = ufunc  # what it calls: a caller with both operands may call it directly
         return reduce
 
@@ -228,6 +230,21 @@ def reducer(op: ReduceOp, dtype: np.dtype) -> Callable[..., None]:
                 ufunc(dst if first is None else first, src, out=dst)
 
     return reduce_bfloat16
+
+
+def _complex_product(reduce: Callable[..., None]) -> Callable[..., None]:
+    """``reduce`` for complex ``prod``, whose last bits depend on numpy's loop: one element
+    written over an operand takes a loop of its own (without the fused multiply-add of the
+    others), so a block of one element would come out unlike the same product in a longer
+    array (as on a rank whose block is longer, or the oracle's). Written from a copy there."""
+
+    def product(dst: np.ndarray, src: np.ndarray, first: np.ndarray | None = None) -> None:
+        if dst.size == 1:
+            dst[...] = np.multiply(dst if first is None else first, src)
+        else:
+            reduce(dst, src, first)
+
+    return product
 
 
 def _trunc_div_int(work: np.ndarray, n: int) -> None:

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import pycoll
-from pycoll import select
+from pycoll import oracle, select
 from pycoll.algorithms import families_for
+from pycoll.kernels import ReduceOp, reducer
 from pycoll.schedule import Collective
 
 
@@ -127,3 +128,49 @@ def test_rank_order_holds_at_two_ranks_for_complex_prod(monkeypatch, transport):
         half = size // 2
         assert scattered.tobytes() == want[rank * half:(rank + 1) * half].tobytes(), rank
         assert [r.tobytes() for r in reduced] == [want.tobytes()] * 2, rank
+
+
+@pytest.mark.parametrize("nranks", [3, 4, 5])
+@pytest.mark.parametrize(("algorithm", "size"), [("direct", 1), ("two_shot", 3),
+                                                 ("two_shot", 6), ("auto", 1)])
+def test_complex_prod_in_blocks_of_one_element_keeps_rank_order(nranks, algorithm, size):
+    """numpy multiplies one complex element written over an operand in a loop of its own
+    (without the fused multiply-add of longer arrays): a block of one element came out
+    unlike the rank-order product, and ranks reducing it alike but for aliasing disagreed."""
+    rng = np.random.default_rng(nranks * 10 + size)
+    for trial in range(8):
+        xs = [(rng.standard_normal(size) + 1j * rng.standard_normal(size)).astype(np.complex64)
+              for _ in range(nranks)]
+        want = oracle.allreduce(xs, "prod").tobytes()
+        results = pycoll.run_local(nranks, lambda xs=xs: pycoll.allreduce(
+            xs[pycoll.world().rank], "prod", algorithm=algorithm))
+        assert [r.tobytes() for r in results] == [want] * nranks, trial
+
+
+def test_complex_product_of_one_element_is_the_product_in_a_longer_array():
+    rng = np.random.default_rng(3)
+    for dtype in (np.complex64, np.complex128):
+        multiply = reducer(ReduceOp.PROD, np.dtype(dtype))
+        a, b = (rng.standard_normal((2, 500)) + 1j * rng.standard_normal((2, 500))).astype(dtype)
+        want = a * b
+        for i in range(a.size):
+            into, alone = a[i:i + 1].copy(), b[i:i + 1].copy()
+            multiply(into, alone)
+            other = b[i:i + 1].copy()
+            multiply(other, other.copy(), a[i:i + 1])
+            assert into.tobytes() == other.tobytes() == want[i:i + 1].tobytes(), (dtype, i)
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_rank_order_families_keep_the_sign_of_a_zero_min_or_max(nranks, op):
+    """+0 and -0 compare equal and numpy's minimum and maximum return the second operand:
+    the families that keep rank order give the oracle's zero; ring, tree and halving-doubling
+    may give the other (docs/reliability.md)."""
+    zeros = np.array([-0.0, 0.0, 0.0, -0.0, -0.0, 0.0], np.float32)
+    xs = [np.roll(zeros, r) for r in range(nranks)]
+    want = oracle.allreduce(xs, op).tobytes()
+    for algorithm in ("direct", "two_shot", "auto"):
+        results = pycoll.run_local(nranks, lambda a=algorithm: pycoll.allreduce(
+            xs[pycoll.world().rank], op, algorithm=a))
+        assert [r.tobytes() for r in results] == [want] * nranks, algorithm
