@@ -33,6 +33,11 @@ from pycoll.bindings.transport import CollectiveTimeout, Transport, WaitTimeout
 from pycoll.traffic import Traffic
 
 _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
+# What all_arrive guards, by number: each rank says which it came to. On a tag of their own,
+# so that one rank's handshake never matches another's collective data, nor one setup another
+_ARRIVALS = ("split", "empty", "the first collective (connecting shared memory)",
+             "the first collective (sharing the tuning file's costs)")
+_ARRIVAL_TAG = _TAG_LIMIT  # above every collective's (next_tag), on the collective transport
 
 
 class Communicator:
@@ -337,19 +342,34 @@ class Communicator:
         forever for a rank that never comes). Two rounds of empty messages with every peer:
         "here", then "going in"; a rank enters only with every peer's "going in", so a rank
         that comes after the others gave up times out too instead of entering alone. Past the
-        deadline: CollectiveTimeout naming the ranks waited for; this communicator is broken."""
+        deadline: CollectiveTimeout naming the ranks waited for; this communicator is broken.
+        Each message says which call ``what`` is (one of ``_ARRIVALS``): ranks that came to
+        different ones (a rank whose split raised, now in its first collective) would enter
+        different blocking calls; every rank raises CollectiveMismatch instead, naming them."""
         if self.mpi_comm is None or self._timeout is None or self.size == 1:
             return
-        transport, tag = self.transport, self.next_tag()
+        transport = self.transport
         peers = [r for r in range(self.size) if r != self.rank]
-        nothing = np.empty(0, np.uint8)
-        for _ in ("here", "going in"):
-            requests = [transport.irecv(nothing, peer, tag) for peer in peers]
-            requests += [transport.isend(nothing, peer, tag) for peer in peers]
+        mine = np.array([_ARRIVALS.index(what)], np.int32)
+        theirs = np.empty((len(peers), 1), np.int32)
+        for round_ in ("here", "going in"):
+            requests = [transport.irecv(theirs[i], peer, _ARRIVAL_TAG)
+                        for i, peer in enumerate(peers)]
+            requests += [transport.isend(mine, peer, _ARRIVAL_TAG) for peer in peers]
             try:
                 transport.waitall(requests)
             except WaitTimeout as late:
                 raise self.timed_out(what, late) from None
+            if round_ == "here" and (theirs != mine).any():  # seen by every rank: all raise
+                ranks_at: dict[int, list[int]] = {}
+                for rank, code in sorted([*zip(peers, theirs[:, 0].tolist()),
+                                          (self.rank, int(mine[0]))]):
+                    ranks_at.setdefault(code, []).append(rank)
+                raise agree.CollectiveMismatch(
+                    f"{what}: the ranks came to different calls that set up communicators, "
+                    "and none entered its own: " + "; ".join(
+                        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+                        f"{_ARRIVALS[code]}" for code, ranks in ranks_at.items()))
 
     def timed_out(self, what: str, late: WaitTimeout) -> CollectiveTimeout:
         """The error for a wait of ``what`` past its deadline; this communicator is broken."""

@@ -101,6 +101,48 @@ def test_a_rank_missing_from_the_first_call_over_mpi_messages_times_out():
                 f"rank {rank} waited 0.5 s for rank(s) 1") in output, output
 
 
+SETUP_CROSSED = """
+import sys
+import numpy as np, pycoll
+
+comm = pycoll.world()
+calls = {"split": lambda: comm.split(0), "first": lambda: pycoll.allreduce(np.ones(3)),
+         "empty": lambda: pycoll.empty(4)}
+if sys.argv[1] == "warm":
+    pycoll.allreduce(np.ones(3))  # the first collective made: split against empty
+mine = sys.argv[2] if comm.rank == 1 else sys.argv[3]
+try:
+    calls[mine]()
+    print(f"rank {comm.rank} {mine}: returned", flush=True)
+except pycoll.CollectiveMismatch as error:
+    print(f"rank {comm.rank} {mine}: {error}", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("warm", "odd", "others", "transport"), [
+    ("cold", "first", "split", "auto"),  # a rank whose split raised, in its next call
+    ("cold", "first", "split", "mpi"),
+    ("warm", "empty", "split", "auto"),
+])
+def test_ranks_that_come_to_different_setup_calls_all_raise(warm, odd, others, transport):
+    """The handshakes before a setup's blocking MPI calls matched each other whichever calls
+    they guarded: rank 1 entered its first collective's split and ranks 0 and 2 the program's
+    split, and all waited forever, within a timeout. Each now names its call."""
+    done = launch(3, "-c", SETUP_CROSSED, warm, odd, others, timeout=60, PYCOLL_TIMEOUT="5",
+                  PYCOLL_HOST_TRANSPORT=transport)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    names = {"split": "split", "empty": "empty",
+             "first": ("the first collective (sharing the tuning file's costs)"
+                       if transport == "mpi" else
+                       "the first collective (connecting shared memory)")}
+    both = (f"the ranks came to different calls that set up communicators, and none entered "
+            f"its own: ranks 0, 2: {names[others]}; rank 1: {names[odd]}")
+    for rank in (0, 1, 2):
+        mine = odd if rank == 1 else others
+        assert f"rank {rank} {mine}: {names[mine]}: {both}" in output, output
+
+
 LONE_RANK = """
 import numpy as np, pycoll
 from mpi4py import MPI
