@@ -19,6 +19,17 @@ COLLECTIVE_ONLY_FLAGS = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader gone (`| head`) is found here at the latest
+    except BrokenPipeError:
+        # not an error to report: the reader has what it wanted; and none at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="pycoll", description="Collective communication whose algorithms are checked data."
     )
@@ -115,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("-e", "--max-bytes", default="1G")
     scale.add_argument("-f", "--step-factor", type=int, default=16)
     scale.add_argument("-d", "--dtype", default="float32", type=_dtype_name)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # argparse's: usage said
+        if stop.code not in (0, None):
+            _stop_every_rank(int(stop.code))
+        raise
 
     if args.command == "model":
         return _model(args)
@@ -172,6 +188,21 @@ def _ranks_flag(ranks: int | None) -> None:
                 f"--ranks={ranks} runs in-process ranks, but this is one of {size} MPI "
                 "processes; allowed: mpiexec (its processes are the ranks) or --ranks, not both"
             )
+
+
+def _stop_every_rank(code: int) -> None:
+    """In an MPI job of several ranks, end them all with ``code``: a rank whose command line
+    did not parse stops before its peers' first collective, where they would wait for it."""
+    from pycoll.bindings.mpi import launched_by_mpi
+
+    if launched_by_mpi():
+        from pycoll.comm import abort_job
+
+        try:
+            if _mpi_world().Get_size() > 1:
+                abort_job(code)
+        except Exception:  # noqa: BLE001 - no working MPI: nobody waits for this rank there
+            pass
 
 
 def _rank() -> int:
@@ -244,23 +275,36 @@ def _settings_error() -> ValueError | None:
     return None
 
 
-def _command_line_ok(command: str, error: Exception | None) -> bool:
+def _command_line_ok(command: str, error: Exception | None,
+                     args: argparse.Namespace | None = None) -> bool:
     """Whether every rank found its command line good. In an MPI job the ranks compare
     (a path may be writable on one node and not another): rank 0 says each distinct error
-    once, naming the ranks when not all had it, and every rank stops, none left waiting."""
+    once, naming the ranks when not all had it, and every rank stops, none left waiting.
+    Good command lines must also agree: ``args`` (but the output paths, written by rank 0)
+    and the PYCOLL_* settings that decide the messages (a rank timing more sizes, or more
+    iterations, than its peers would wait for them forever)."""
     from pycoll.bindings.mpi import launched_by_mpi
+    from pycoll.comm import settings_disagreement, shared_settings
 
     error = _settings_error() or error  # a bad setting first: the rest may follow from it
-    messages = [None if error is None else str(error)]
-    rank = 0
+    message = None if error is None else str(error)
+    options = {} if args is None else {name: value for name, value in vars(args).items()
+                                       if name not in _OUTPUT_PATHS}
+    mine = [(message, shared_settings() if error is None else None, options)]
+    gathered, rank = mine, 0
     if launched_by_mpi():
         try:
             world = _mpi_world()
             rank = world.Get_rank()
             if world.Get_size() > 1:
-                messages = world.allgather(messages[0])
+                gathered = world.allgather(mine[0])
         except Exception:  # no working MPI: each rank says its own
-            messages, rank = [None if error is None else str(error)], 0
+            gathered, rank = mine, 0
+    messages = [m for m, _, _ in gathered]
+    if not any(messages):
+        differ = (settings_disagreement([settings for _, settings, _ in gathered])
+                  or _options_disagreement([options for _, _, options in gathered]))
+        messages = [differ] * len(gathered)
     bad = [(r, m) for r, m in enumerate(messages) if m is not None]
     if rank == 0:
         for message in dict.fromkeys(m for _, m in bad):
@@ -268,6 +312,22 @@ def _command_line_ok(command: str, error: Exception | None) -> bool:
             where = "" if len(ranks) == len(messages) else f" (rank {', '.join(map(str, ranks))})"
             print(f"{command}{where}: {message}", file=sys.stderr)
     return not bad
+
+
+_OUTPUT_PATHS = ("json", "csv", "output")  # where rank 0 writes: may differ between ranks
+
+
+def _options_disagreement(tables: list[dict[str, object]]) -> str | None:
+    """What differs between ranks' command lines (rank r's options at ``tables[r]``), in
+    words; None when nothing does."""
+    from pycoll.comm import differences
+
+    parts = differences(tables, lambda name: name if name in ("collective", "command")
+                        else "--" + name.replace("_", "-"))
+    if not parts:
+        return None
+    return ("the ranks' command lines differ: " + "; ".join(parts)
+            + "; allowed: the same on every rank")
 
 
 def _writable(path: str | None, flag: str, makes_folders: bool = False,
@@ -342,7 +402,7 @@ def _bench(args: argparse.Namespace) -> int:
         bad = error
     else:
         bad = None
-    if not _command_line_ok("pycoll bench", bad):
+    if not _command_line_ok("pycoll bench", bad, args):
         return 2
     # Rows are printed (and the files rewritten) on rank 0 as they are measured, so a run
     # stopped by a time limit keeps them; with --json - or --csv -, stdout is the machine's
@@ -427,7 +487,7 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
         bad = error
     else:
         bad = None
-    if not _command_line_ok("pycoll compare", bad):
+    if not _command_line_ok("pycoll compare", bad, args):
         return 2
     try:
         if args.ranks is not None:
@@ -563,14 +623,15 @@ def _tune(args: argparse.Namespace) -> int:
         from pycoll import model
 
         # before measuring: where it will write, whether named or not
-        _writable(args.output or str(model.tuning_path()),
-                  "--output" if args.output else f"the tuning file (${model.TUNING_ENV}, else the "
+        named = args.output is not None  # --output '' names no file: refused, not the default
+        _writable(args.output if named else str(model.tuning_path()),
+                  "--output" if named else f"the tuning file (${model.TUNING_ENV}, else the "
                   "cache folder)", makes_folders=True, stdout=False)
     except (ValueError, OSError) as error:
         bad = error
     else:
         bad = None
-    if not _command_line_ok("pycoll tune", bad):  # under mpiexec: every rank stops, or none
+    if not _command_line_ok("pycoll tune", bad, args):  # under mpiexec: every rank stops, or none
         return 2
     if largest < tune.CURVE_FROM and _rank() == 0:
         print(f"pycoll tune: note: --max-bytes={args.max_bytes} measures exchange steps below "
@@ -578,7 +639,7 @@ def _tune(args: argparse.Namespace) -> int:
               "cost: the fitted cost per byte is rough (the default -e 32M reads it)",
               file=sys.stderr)
     try:
-        tune.tune(Path(args.output) if args.output else None, args.repeats, sizes,
+        tune.tune(None if args.output is None else Path(args.output), args.repeats, sizes,
                   local_ranks, local_sizes=local)
     except (ValueError, OSError) as error:
         print(f"pycoll tune: {error}", file=sys.stderr)

@@ -58,6 +58,10 @@ class Communicator:
             # an intercommunicator's allgather joins the other group: making one would hang
             raise TypeError(f"mpi_comm={mpi_comm!r} is invalid; allowed: an mpi4py "
                             "intracommunicator (MPI.Intracomm, not COMM_NULL)")
+        if parent.Get_size() > 1:  # one rank on shared memory and one not would wait forever
+            differ = settings_disagreement(parent.allgather(shared_settings()))
+            if differ is not None:
+                raise ValueError(differ)
         self.mpi_comm = parent
         self._owns_mpi_comm = False
         self._attach(MPITransport(parent.Dup()), MPITransport(parent.Dup()))
@@ -719,6 +723,54 @@ def check_environment() -> None:
     verification.enabled_by_default()
     shm.ring_bytes_from_env()
     shm.small_bytes_from_env()
+
+
+def shared_settings() -> dict[str, Any]:
+    """This rank's PYCOLL_* settings that decide which messages a collective sends, as read
+    (so that "shm" and " SHM " agree): every rank of a communicator must have the same. Not
+    PYCOLL_TIMEOUT, PYCOLL_DEBUG, PYCOLL_KERNELS, PYCOLL_TUNING (rank 0's costs are shared)
+    or PYCOLL_SHM_CMA (negotiated pair by pair), which may differ."""
+    from pycoll.bindings import shm, staged
+    from pycoll.settings import switch
+
+    return {
+        "PYCOLL_HOST_TRANSPORT": _host_transport_mode(),
+        "PYCOLL_DEVICE_TRANSPORT": _device_transport_mode(),
+        "PYCOLL_RANKS_PER_NODE": _ranks_per_node(0) or "unset",
+        "PYCOLL_ALGO": os.environ.get(select.ALGO_ENV, "").strip() or "unset",
+        "PYCOLL_SEGMENTS": select.FORCED_SEGMENTS or "unset",
+        "PYCOLL_SHM_RING_BYTES": shm.ring_bytes_from_env(),
+        "PYCOLL_SHM_ONE_SHOT_BYTES": shm.small_bytes_from_env(),
+        "PYCOLL_CHECK": agree.enabled_by_default(),
+        "PYCOLL_VERIFY": verification.enabled_by_default(),
+        "PYCOLL_FORWARD": bool(switch("PYCOLL_FORWARD", True)),
+        "PYCOLL_CUDA_AWARE_MPI": staged.forced_cuda_awareness(),
+    }
+
+
+def settings_disagreement(tables: list[dict[str, Any]]) -> str | None:
+    """What differs between ranks' ``shared_settings`` (rank r's at ``tables[r]``), in words;
+    None when nothing does."""
+    parts = differences(tables)
+    if not parts:
+        return None
+    return ("the ranks' settings differ: " + "; ".join(parts)
+            + "; allowed: the same on every rank (they decide which messages each sends)")
+
+
+def differences(tables: list[dict[str, Any]], label: Callable[[str], str] = str) -> list[str]:
+    """Per entry whose value differs between ranks (rank r's at ``tables[r]``): its
+    ``label`` and each value with the ranks that have it."""
+    parts = []
+    for name in tables[0]:
+        ranks_of: dict[str, list[int]] = {}
+        for rank, table in enumerate(tables):
+            ranks_of.setdefault(repr(table.get(name)), []).append(rank)
+        if len(ranks_of) > 1:
+            parts.append(f"{label(name)} " + ", ".join(
+                f"{value} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                for value, ranks in ranks_of.items()))
+    return parts
 
 
 class _Freed:

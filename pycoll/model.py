@@ -532,7 +532,8 @@ def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
         kinds = {kind: entries if isinstance(entries, list) else [entries]
                  for kind, entries in data["transports"].items()}
         fits = data.get("fits", {})
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+            AttributeError) as error:
         raise ValueError(
             f"tuning file {path} is unreadable ({error!r}); run `pycoll tune` to rewrite it"
         ) from error

@@ -61,7 +61,7 @@ def topology_named(name_or_path: str) -> model.Topology:
         )
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"--topology {path}: not JSON ({error})") from error
     except OSError as error:  # a directory, no permission
         raise ValueError(f"--topology {path}: cannot read it ({error.strerror})") from None

@@ -249,6 +249,69 @@ def test_a_command_line_bad_on_one_rank_stops_every_rank(tmp_path):
     assert not (tmp_path / "a" / "out" / "rows.json").exists()
 
 
+@pytest.mark.parametrize("rank_1,says", [
+    (["-e", "4K"], "the ranks' command lines differ: --max-bytes '1K' on rank 0, '4K' on rank 1"),
+    (["-n", "5", "-w", "3"], "the ranks' command lines differ: --iters 2 on rank 0, 5 on rank 1; "
+                             "--warmup 1 on rank 0, 3 on rank 1"),
+    (["--against", "mpi"], "--against None on rank 0, 'mpi' on rank 1"),
+    (["env", "PYCOLL_HOST_TRANSPORT=mpi"],
+     "the ranks' settings differ: PYCOLL_HOST_TRANSPORT 'auto' on rank 0, 'mpi' on rank 1"),
+])
+def test_ranks_given_different_command_lines_all_stop(rank_1, says):
+    """Good command lines that differed between ranks passed the ranks' check, which shared
+    only errors: a rank timing more sizes, iterations or warmups than its peers, or on shared
+    memory while they were on MPI messages, left the job waiting forever."""
+    line = [sys.executable, "-P", "-m", "pycoll", "bench", "-b", "8", "-e", "1K", "-f", "4",
+            "-n", "2", "-w", "1"]
+    other = [*rank_1, *line] if rank_1[0] == "env" else [*line, *rank_1]
+    done = subprocess.run([mpiexec(), "-n", "1", *line, ":", "-n", "1", *other],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count(says) == 1, done.stderr
+    assert "pycoll bench: the ranks'" in done.stderr  # said once, by rank 0, for both ranks
+
+
+def test_a_command_line_that_does_not_parse_on_one_rank_ends_the_job():
+    """argparse exits before any MPI call: the rank's peers waited for it forever."""
+    line = [sys.executable, "-P", "-m", "pycoll", "bench", "-e", "1K", "-n", "1", "-w", "0"]
+    done = subprocess.run([mpiexec(), "-n", "1", *line, ":", "-n", "1", *line, "-c", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "argument -c/--check: invalid choice: 2" in done.stderr
+
+
+@pytest.mark.parametrize("command", [["demo"], ["explain", "allreduce"]])
+def test_output_cut_short_is_no_traceback(command):
+    """`pycoll demo | head -1` ended in BrokenPipeError and its traceback."""
+    reader = subprocess.Popen([sys.executable, "-P", "-m", "pycoll", *command],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              bufsize=1)
+    assert reader.stdout.readline()
+    reader.stdout.close()
+    code = reader.wait(timeout=120)
+    error = reader.stderr.read()
+    assert "Traceback" not in error and "BrokenPipeError" not in error, error
+    assert code in (0, 1)
+
+
+def test_a_tuning_file_that_is_not_text_is_named(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\x00\xff\xfe")
+    monkeypatch.setenv("PYCOLL_TUNING", str(bad))
+    assert main(["bench", "--ranks", "2", "-e", "16", "-n", "1", "-w", "0"]) == 2
+    assert f"tuning file {bad} is unreadable" in capsys.readouterr().err
+    assert main(["model", "--topology", str(bad), "-e", "1K"]) == 2
+    assert f"--topology {bad}: not JSON" in capsys.readouterr().err
+
+
+def test_tune_refuses_an_empty_output_path(tmp_path, monkeypatch, capsys):
+    """--output '' was taken as no --output: it wrote the default tuning file."""
+    monkeypatch.setenv("PYCOLL_TUNING", str(tmp_path / "tuning.json"))
+    assert main(["tune", "--output", ""]) == 2
+    assert "--output '': not a file" in capsys.readouterr().err
+    assert not (tmp_path / "tuning.json").exists()
+
+
 @pytest.mark.parametrize("command,args,says", [
     ("bench", ["-d", "int8,float32", "-e", "1M"],
      "--max-bytes=1M: allreduce of 256K (int8) on 2 rank(s) of this machine needs about "

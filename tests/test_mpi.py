@@ -143,6 +143,42 @@ def test_ranks_that_come_to_different_setup_calls_all_raise(warm, odd, others, t
         assert f"rank {rank} {mine}: {names[mine]}: {both}" in output, output
 
 
+SETTINGS_DIFFER = """
+import pycoll
+from mpi4py import MPI
+try:
+    pycoll.Communicator()
+    print(f"rank {MPI.COMM_WORLD.rank}: made", flush=True)
+except ValueError as error:
+    print(f"rank {MPI.COMM_WORLD.rank}: {error}", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("setting", "value", "says"), [
+    ("PYCOLL_HOST_TRANSPORT", "mpi", "PYCOLL_HOST_TRANSPORT 'auto' on ranks 0, 2, 'mpi' on rank 1"),
+    ("PYCOLL_ALGO", "ring", "PYCOLL_ALGO 'unset' on ranks 0, 2, 'ring' on rank 1"),
+    ("PYCOLL_SHM_ONE_SHOT_BYTES", "65536", "PYCOLL_SHM_ONE_SHOT_BYTES 2097152 on ranks 0, 2, "
+                                           "65536 on rank 1"),
+    ("PYCOLL_TIMEOUT", "30", None),  # a rank's own deadline: may differ
+])
+def test_ranks_whose_settings_differ_all_raise_making_a_communicator(setting, value, says):
+    """One rank on shared memory and the others on MPI messages (or forcing another family,
+    or another one-shot limit) sent messages no peer expected, and waited forever."""
+    done = subprocess.run(
+        [mpiexec(), "-n", "1", sys.executable, "-c", SETTINGS_DIFFER,
+         ":", "-n", "1", "env", f"{setting}={value}", sys.executable, "-c", SETTINGS_DIFFER,
+         ":", "-n", "1", sys.executable, "-c", SETTINGS_DIFFER],
+        capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in range(3):
+        if says is None:
+            assert f"rank {rank}: made" in output, output
+        else:
+            assert (f"rank {rank}: the ranks' settings differ: {says}; allowed: the same on "
+                    "every rank") in output, output
+
+
 LONE_RANK = """
 import numpy as np, pycoll
 from mpi4py import MPI
