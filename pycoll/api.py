@@ -498,20 +498,23 @@ def alltoall(
     *,
     out: Array | None = None,
     comm: Communicator | None = None,
+    algorithm: str = "auto",
     stream: Any = None,
     async_op: bool = False,
 ) -> Array:
-    """Rank r sends its j-th equal piece of ``x`` to rank j; pieces arrive in source order."""
+    """Rank r sends its j-th equal piece of ``x`` to rank j; pieces arrive in source order.
+    ``algorithm``: "auto" or "direct", its one family (as every collective takes it)."""
     if async_op is not False and _async(async_op, "alltoall"):
-        checked = _before_submit(comm, x, "alltoall", "auto", stream)
+        checked = _before_submit(comm, x, "alltoall", algorithm, stream)
         _counts(None, _rows(x, "alltoall"), checked.size, "alltoall", "len(x)")
         if out is not None:
             _out(out, x, x.shape, "alltoall", may_alias=True)
-        return _submit(alltoall, "alltoall", x, out=out, comm=comm, stream=stream)
+        return _submit(alltoall, "alltoall", x, out=out, comm=comm, algorithm=algorithm,
+                       stream=stream)
     comm = _comm(comm)
     known = None
     if stream is None and type(x) is np.ndarray:
-        known = (_KNOWN, "alltoall", x.dtype, x.shape, select.FORCED_SEGMENTS)
+        known = (_KNOWN, "alltoall", x.dtype, x.shape, algorithm, select.FORCED_SEGMENTS)
         call = _known(comm, known)
         if call is not None and x.flags.c_contiguous:
             out = _out(out, x, x.shape, "alltoall", may_alias=True)
@@ -519,7 +522,7 @@ def alltoall(
             _execute(comm, call, x, out)
             return out
     space = _space(x, "alltoall")
-    select.forced_algorithm(Collective.ALLTOALL)  # an error if it names alltoall wrongly
+    _algorithm(algorithm, Collective.ALLTOALL)  # and PYCOLL_ALGO, if it names alltoall wrongly
     rows = _rows(x, "alltoall")
     counts = _counts(None, rows, comm.size, "alltoall", "len(x)")
     _agree_on_pieces(comm, x)
@@ -538,6 +541,7 @@ def alltoallv(
     *,
     out: Array | None = None,
     comm: Communicator | None = None,
+    algorithm: str = "auto",
     stream: Any = None,
     async_op: bool = False,
 ) -> Array:
@@ -546,18 +550,19 @@ def alltoallv(
     Returns what arrived, in source-rank order (into ``out`` where given: as many rows as
     arrive, shaped as x's; as torch's ``all_to_all_single``). The counts are exchanged first;
     given ``recv_counts``, and ``out``'s row count, are checked against what the peers send,
-    on every rank.
+    on every rank. ``algorithm``: "auto" or "direct", its one family.
     """
     if async_op is not False and _async(async_op, "alltoallv"):
         send_counts, recv_counts = _alltoallv_counts(
-            _before_submit(comm, x, "alltoallv", "auto", stream), x, send_counts, recv_counts)
+            _before_submit(comm, x, "alltoallv", algorithm, stream), x, send_counts,
+            recv_counts)
         if out is not None:
             _alltoallv_out(out, x, recv_counts)
         return _submit(alltoallv, "alltoallv", x, send_counts, recv_counts, out=out,
-                       comm=comm, stream=stream)
+                       comm=comm, algorithm=algorithm, stream=stream)
     comm = _comm(comm)
     space = _space(x, "alltoallv")
-    select.forced_algorithm(Collective.ALLTOALL)
+    _algorithm(algorithm, Collective.ALLTOALL, "alltoallv")
     send_counts, recv_counts = _alltoallv_counts(comm, x, send_counts, recv_counts)
     if out is not None:  # before any exchange: what this rank alone can tell
         _alltoallv_out(out, x, recv_counts)
@@ -840,15 +845,20 @@ def _before_submit(comm: Communicator | None, x: Array, what: str, algorithm: An
     comm = _comm(comm, drain=False)
     with _space(x, what).using(stream, what):  # a stream the call would refuse
         pass
-    _algorithm(algorithm, Collective.ALLTOALL if what == "alltoallv" else Collective(what))
+    if what == "alltoallv":
+        _algorithm(algorithm, Collective.ALLTOALL, what)
+    else:
+        _algorithm(algorithm, Collective(what))
     return comm
 
 
-def _algorithm(algorithm: Any, collective: Collective) -> None:
+def _algorithm(algorithm: Any, collective: Collective, named: str | None = None) -> None:
     """Raise unless ``algorithm`` is 'auto' (and ``PYCOLL_ALGO`` reads) or names a family
-    with a schedule for ``collective``."""
+    with a schedule for ``collective`` (``named``: the public call, where it is not
+    ``collective``'s name)."""
+    name = collective.value if named is None else named
     if not isinstance(algorithm, str):
-        raise TypeError(f"{collective.value}: algorithm={algorithm!r} is not a name; allowed: "
+        raise TypeError(f"{name}: algorithm={algorithm!r} is not a name; allowed: "
                         "'auto' or a family name")
     if algorithm == "auto":
         select.forced_algorithm(collective)
@@ -859,7 +869,7 @@ def _algorithm(algorithm: Any, collective: Collective) -> None:
             why = ("" if algorithm != select.ONE_SHOT else
                    " ('one_shot', as plans name it, is what 'auto' runs for small calls when "
                    "every rank shares a node, with no schedule to force)")
-            raise ValueError(f"{collective.value}: {error}{why}") from None
+            raise ValueError(f"{name}: {error}{why}") from None
 
 
 def _submit(fn: Any, what: str, *args: Any, comm: Communicator | None, **kwargs: Any) -> Any:
@@ -942,6 +952,12 @@ def _space(x: object, collective: str, name: str = "x") -> Any:
         raise TypeError(f"{collective}: {name}.{error}") from None
     if not x.flags.c_contiguous:
         module = "numpy" if space.name == "host" else "cupy"
+        if name == "out":  # a contiguous copy of out would get the result, and out not
+            raise ValueError(
+                f"{collective}: out is not C-contiguous (strides {x.strides}); pass a "
+                f"C-contiguous array ({module}.empty({name}.shape, {name}.dtype)) and copy "
+                "it into yours after"
+            )
         raise ValueError(
             f"{collective}: {name} is not C-contiguous (strides {x.strides}); "
             f"pass {module}.ascontiguousarray({name})"
@@ -1174,6 +1190,10 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
     try:
         play(source, target, scratch, tag)
     except (CollectiveTimeout, ChannelsCrossed) as error:
+        said = str(error)
+        if call.collective is Collective.SENDRECV and said.startswith(call.what):
+            # prepared once for every tag: this call's, as an async Send/Recv names it
+            error = type(error)(f"{call.what} (tag {tag}){said[len(call.what):]}")
         raise comm.broken_by(error) from None
 
 

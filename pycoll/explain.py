@@ -216,9 +216,11 @@ def explain(
     if kind is Collective.BROADCAST:
         inputs = [x if r == root else np.zeros_like(x) for r, x in enumerate(inputs)]
 
+    broadcast = kind is Collective.BROADCAST
+
     def value(contents) -> str:
-        if contents is None:
-            return "(undefined)"
+        if contents is None:  # a broadcast's x off the root: written over, as the demo's "-"
+            return "-" if broadcast else "(undefined)"
         total = None
         for origin_rank, origin_chunk in sorted(contents):
             start, stop = input_layout.chunk_range(origin_chunk)
@@ -233,14 +235,17 @@ def explain(
         return f"element {start}" if stop == start + 1 else f"elements {start}..{stop - 1}"
 
     at_root = f", root {root}" if rooted else ""
+    holds = f"[{nranks}r+1, ..., {nranks}r+{nranks}]"
     print_(
         f"pycoll explain: {algorithm} {kind.value} on {nranks} ranks{at_root}, "
-        f"{nsegments} segment(s), {schedule.nchunks} chunks; rank r holds "
-        f"[{nranks}r+1, ..., {nranks}r+{nranks}]"
+        f"{nsegments} segment(s), {schedule.nchunks} chunks; "
+        + (f"the root (r = {root}) holds {holds}; the others' x is written over (-)"
+           if broadcast else f"rank r holds {holds}")
         + (", AllGather shard: its element r" if kind is Collective.ALLGATHER else "")
     )
     for rank in range(nranks):
-        print_(f"  rank {rank}: {_show(inputs[rank])}")
+        shown = "-" if broadcast and rank != root else _show(inputs[rank])
+        print_(f"  rank {rank}: {shown}")
     state = _initial_state(schedule)
     for number, unordered in enumerate(report.rounds, 1):
         deliveries = sorted(unordered, key=lambda d: (d.src, d.dst))

@@ -56,6 +56,13 @@ BAD_CALLS = [
         ValueError,
         r"x is not C-contiguous",
     ),
+    # numpy.ascontiguousarray(out), as said for x, would be filled and out not
+    ("non-contiguous out", lambda r: pycoll.recv(np.empty(16)[::2], src=(r + 1) % 4),
+     ValueError, r"^recv: out is not C-contiguous \(strides \(16,\)\); pass a C-contiguous "
+     r"array \(numpy.empty\(out.shape, out.dtype\)\) and copy it into yours after$"),
+    ("non-contiguous out of a collective", lambda r: pycoll.allreduce(
+        X, out=np.empty((8, 2), np.int32)[:, 0]), ValueError,
+     r"^allreduce: out is not C-contiguous .* and copy it into yours after$"),
     (
         "not an array",
         lambda r: pycoll.allreduce([1, 2, 3]),
@@ -393,3 +400,29 @@ def test_every_bad_setting_is_refused_when_ranks_are_made(monkeypatch, name, val
     with pytest.raises(ValueError, match=f"{name}='{value}' is .*allowed: {allowed}"):
         pycoll.run_local(2, lambda: called.append(pycoll.allreduce(np.ones(2))))
     assert called == []
+
+
+def test_alltoall_takes_algorithm_as_every_collective_does():
+    """alltoall(x, algorithm='direct') was a bare TypeError (no such keyword), though the
+    README says every collective takes a family and names one it has no schedule for."""
+    x = np.arange(6.0)
+
+    def body():
+        rank = pycoll.world().rank
+        mine = x + 10 * rank
+        results = [pycoll.alltoall(mine, algorithm="direct"),
+                   pycoll.alltoallv(mine, [3, 3], algorithm="direct"),
+                   pycoll.alltoall(mine, algorithm="direct", async_op=True).wait()]
+        said = []
+        for call in (lambda: pycoll.alltoall(mine, algorithm="ring"),
+                     lambda: pycoll.alltoallv(mine, [3, 3], algorithm="ring", async_op=True)):
+            with pytest.raises(ValueError) as error:
+                call()
+            said.append(str(error.value))
+        return results, said
+
+    for rank, (results, said) in enumerate(pycoll.run_local(2, body)):
+        want = np.concatenate([x[3 * rank:3 * rank + 3], x[3 * rank:3 * rank + 3] + 10])
+        assert all(np.array_equal(r, want) for r in results), rank
+        assert said == [f"{name}: algorithm='ring' has no alltoall schedule; allowed for "
+                        "alltoall: 'direct'" for name in ("alltoall", "alltoallv")]

@@ -180,3 +180,14 @@ def test_explain_says_when_a_node_aware_family_runs_flat(monkeypatch, capsys, pe
     out = capsys.readouterr().out
     assert (told in out) if told else "flat schedule" not in out
     assert out.rstrip().endswith("matches the numpy oracle")
+
+
+def test_explain_broadcast_shows_the_other_ranks_x_as_written_over(capsys):
+    """The header said every rank holds [4r+1, ...], the listing showed zeros off the root
+    and the stores said "(undefined)": three things for one x, which broadcast writes over."""
+    assert main(["explain", "broadcast", "--ranks", "4", "--algorithm", "tree", "--root", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "the root (r = 2) holds [4r+1, ..., 4r+4]; the others' x is written over (-)" in out
+    assert "  rank 0: -\n  rank 1: -\n  rank 2: [9, 10, 11, 12]\n  rank 3: -\n" in out
+    assert "rank 0 stores it as chunk 0 (elements 0..3): - -> [9, 10, 11, 12]" in out
+    assert "undefined" not in out and "[0, 0, 0, 0]" not in out

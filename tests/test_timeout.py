@@ -167,6 +167,26 @@ def test_a_late_send_or_recv_names_its_direction_and_peer(monkeypatch):
             return str(error)
 
     assert pycoll.run_local(2, body, 1)[1] == (
-        "recv from rank 0: rank 1 waited 0.3 s at step 1 of 1 for rank(s) 0")
+        "recv from rank 0 (tag 3): rank 1 waited 0.3 s at step 1 of 1 for rank(s) 0")
     assert pycoll.run_local(2, body, 0)[0] == (
         "recv from rank 1 (tag 3): rank 0 waited 0.3 s for rank(s) 1")
+
+
+def test_a_late_peer_in_a_one_exchange_call_is_named(monkeypatch):
+    """The two-rank small AllReduce over messages: one exchange, in the player's own Sendrecv
+    (bindings/mpi.py's one call, where no deadline applies); with one, named as any step."""
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "0.3")
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "mpi")  # in-process: messages, no one-shot
+
+    def body():
+        comm = pycoll.world()
+        if comm.rank == 1:
+            time.sleep(0.6)
+            return None
+        try:
+            pycoll.allreduce(np.ones(4), algorithm="direct")
+        except pycoll.CollectiveTimeout as error:
+            return str(error)
+
+    said = pycoll.run_local(2, body)[0]
+    assert said.endswith("rank 0 waited 0.3 s at step 1 of 1 for rank(s) 1"), said
