@@ -666,9 +666,13 @@ def _in_step_after(error: Exception) -> bool:
     return isinstance(error, agree.AgreedError | verification.VerificationError)
 
 
+_INTEGERS, _BOOLS = (int, np.integer), (bool, np.bool_)  # tuples: isinstance is quicker
+
+
 def is_int(value: Any) -> bool:
     """An int or numpy integer, not a bool (as roots, peers and counts are checked)."""
-    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+    return type(value) is int or (isinstance(value, _INTEGERS)
+                                  and not isinstance(value, _BOOLS))
 
 
 def _first_seen_order(nodes: list[int]) -> list[int]:

@@ -54,12 +54,18 @@ class Posted(Work):
     transport completes it; ``wait()`` waits for it (a deadline counts from there) and
     returns what the blocking call returns, or raises its error."""
 
-    def __init__(self, transport: Any, request: Any, what: str, result: Any,
-                 error: BaseException | None = None,
-                 timed_out: Callable[[WaitTimeout], BaseException] | None = None):
-        self._transport, self._request, self._what = transport, request, what
-        self._result, self._error, self._timed_out = result, error, timed_out
+    def __init__(self, transport: Any, request: Any, message: tuple[bool, int, int],
+                 result: Any, error: BaseException | None = None, comm: Any = None):
+        # ``message``: (sending, peer, tag), put in words only for an error or a repr: a
+        # posted Send/Recv costs little more than MPI's own
+        self._transport, self._request, self._message = transport, request, message
+        self._result, self._error, self._comm = result, error, comm
         self._waited = error is not None
+
+    @property
+    def _what(self) -> str:
+        sending, peer, tag = self._message
+        return f"{'send to' if sending else 'recv from'} rank {peer} (tag {tag})"
 
     def done(self) -> bool:
         return self._waited or self._transport.test(self._request)
@@ -77,7 +83,7 @@ class Posted(Work):
             try:
                 self._transport.waitall([self._request])
             except WaitTimeout as late:
-                self._error = self._timed_out(late)
+                self._error = self._comm.timed_out(self._what, late)
             except Exception as error:  # counts that disagree, a peer that failed
                 self._error = error
             self._waited = True
