@@ -60,9 +60,11 @@ def main(name: str, on_rank: Callable[[argparse.Namespace], Report],
             # one write per line, so that threads' lines do not run together
             sys.stdout.write(f"rank {comm.rank}: FAILED {', '.join(failed)}\n")
             sys.stdout.flush()
-        failures = int(pycoll.allreduce(np.array([len(failed)], np.int64))[0])
-        passed = failures == 0 and bool(report.checks)
-        report.say(f"{name} on {comm.size} ranks: {len(report.checks)} checks per rank, "
+        # every rank's counts: ranks off a root check less than rank 0, which reports
+        failures, checks = (int(n) for n in pycoll.allreduce(
+            np.array([len(failed), len(report.checks)], np.int64)))
+        passed = failures == 0 and checks > 0
+        report.say(f"{name} on {comm.size} ranks: {checks} checks in all, "
                    f"{failures} failed: {'PASSED' if passed else 'FAILED'}")
         return passed, report.lines
 
