@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 
@@ -19,6 +20,10 @@ COLLECTIVE_ONLY_FLAGS = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    # one write per line, not the text then its newline: ranks of a job share the terminal,
+    # and two ranks' errors ran together on one line
+    if sys.stderr is sys.__stderr__ and isinstance(sys.stderr, io.TextIOWrapper):
+        sys.stderr.reconfigure(line_buffering=True, write_through=False)
     try:
         code = _main(argv)
         sys.stdout.flush()  # a reader gone (`| head`) is found here at the latest

@@ -593,3 +593,15 @@ def test_model_leaves_out_the_tree_allgather_beyond_64_ranks(capsys):
     assert main(["model", "allgather", "--ranks", "8,128", "-b", "1M", "-e", "1M"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if " ranks: tree" in line]
     assert [line.split(":")[0] for line in lines] == ["# 8 ranks"]
+
+
+def test_the_command_line_writes_each_error_line_in_one_write():
+    """Python writes stderr's text and its newline apart: under mpiexec two ranks' errors
+    ran together on one line ("...count and dtypepycoll bench: ...")."""
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", "import sys\nfrom pycoll.cli import main\n"
+         "main(['explain', 'allreduce', '--ranks', '2'])\n"
+         "print(sys.stderr.write_through, sys.stderr.line_buffering)"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "False True"
