@@ -295,18 +295,18 @@ def _command_line_ok(command: str, error: Exception | None,
     message = None if error is None else str(error)
     options = {} if args is None else {name: value for name, value in vars(args).items()
                                        if name not in _OUTPUT_PATHS}
-    mine = [(message, shared_settings() if error is None else None, options)]
-    gathered, rank = mine, 0
+    mine = (message, shared_settings() if error is None else None, options)
+    gathered, rank = [mine], 0
     if launched_by_mpi():
         try:
             world = _mpi_world()
             rank = world.Get_rank()
             if world.Get_size() > 1:
-                gathered = world.allgather(mine[0])
+                gathered = world.allgather(mine)
         except Exception:  # no working MPI: each rank says its own
-            gathered, rank = mine, 0
+            gathered, rank = [mine], 0
     messages = [m for m, _, _ in gathered]
-    if not any(messages):
+    if all(m is None for m in messages):
         differ = (settings_disagreement([settings for _, settings, _ in gathered])
                   or _options_disagreement([options for _, _, options in gathered]))
         messages = [differ] * len(gathered)

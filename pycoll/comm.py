@@ -439,7 +439,7 @@ class Communicator:
         dtype = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))
         if self.mpi_comm is not None:
-            self.all_arrive("empty")  # a rank alone on its node too: its tags count the call
+            self.all_arrive("empty")  # a rank alone on its node too: every rank comes here
         if self._shared is None:
             return np.empty(shape, dtype)
         nbytes = max(1, count * dtype.itemsize)

@@ -213,10 +213,9 @@ def explain(
         input_layout = Layout([1], nsegments)
     else:
         layout = input_layout = Layout.even(nranks, schedule.nblocks, nsegments)
-    if kind is Collective.BROADCAST:
-        inputs = [x if r == root else np.zeros_like(x) for r, x in enumerate(inputs)]
-
     broadcast = kind is Collective.BROADCAST
+    if broadcast:
+        inputs = [x if r == root else np.zeros_like(x) for r, x in enumerate(inputs)]
 
     def value(contents) -> str:
         if contents is None:  # a broadcast's x off the root: written over, as the demo's "-"
