@@ -1041,7 +1041,15 @@ def _out(out, x, shape, collective, may_alias=False, block_at=None) -> Array:
     may lie in the larger (NCCL's in place: AllGather's x as out's block, ReduceScatter's out
     as x's)."""
     if out is None:
-        return space_of(x).empty(shape, x.dtype)  # x was checked; this is its space
+        try:
+            return space_of(x).empty(shape, x.dtype)  # x was checked; this is its space
+        except MemoryError:  # numpy's says only the size: from counts another rank refuses?
+            size = math.prod(shape) * x.dtype.itemsize
+            raise MemoryError(
+                f"{collective}: the result, shape {tuple(shape)} of {x.dtype.name} "
+                f"({size / 2**30:.3g} GiB), cannot be allocated here; allowed: a result that "
+                "fits (are the counts, which every rank passes alike, what was meant?)"
+            ) from None
     if (type(out) is np.ndarray and type(x) is np.ndarray and out.dtype == x.dtype
             and out.shape == shape and (flags := out.flags).c_contiguous and flags.writeable
             and ((may_alias and out is x)

@@ -426,3 +426,18 @@ def test_alltoall_takes_algorithm_as_every_collective_does():
         assert all(np.array_equal(r, want) for r in results), rank
         assert said == [f"{name}: algorithm='ring' has no alltoall schedule; allowed for "
                         "alltoall: 'direct'" for name in ("alltoall", "alltoallv")]
+
+
+def test_a_result_too_large_to_allocate_is_named():
+    """Rank 1's x had 2 rows and counts said 2**48 (beyond any address space: no allocator
+    grants it): rank 1 named it, and rank 0, sizing its result first, raised numpy's bare
+    "Unable to allocate 1.00 PiB"."""
+    def body():
+        with pytest.raises((MemoryError, ValueError)) as error:
+            pycoll.allgather(np.zeros(2, np.int32), counts=[2, 2**48])
+        return str(error.value)
+
+    said = pycoll.run_local(2, body)
+    assert said[0].startswith("allgather: the result, shape (281474976710658,) of int32 "
+                              "(1.05e+06 GiB), cannot be allocated here"), said[0]
+    assert said[1].startswith("allgather: counts[1]=281474976710656 but this rank's x has 2 rows")
