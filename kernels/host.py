@@ -36,6 +36,7 @@ import numpy as np
 __all__ = [
     "ReduceOp",
     "SUPPORTED_DTYPES",
+    "SUPPORTED_SET",
     "check_dtype",
     "check_op_for_dtype",
     "reduce_into",
@@ -99,13 +100,13 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
 }
 
 
-_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)  # for the hot paths' membership tests
 _ALLOWED_NAMES = ", ".join(d.name for d in SUPPORTED_DTYPES)
 
 
 def check_dtype(dtype: object) -> np.dtype:
     """Return ``dtype`` as an np.dtype if pycoll can reduce it, else raise TypeError."""
-    if isinstance(dtype, np.dtype) and dtype in _SUPPORTED_SET:
+    if isinstance(dtype, np.dtype) and dtype in SUPPORTED_SET:
         return dtype  # the hot path: called on every collective
     allowed = _ALLOWED_NAMES
     if dtype is None:  # np.dtype(None) would silently mean float64
@@ -114,10 +115,10 @@ def check_dtype(dtype: object) -> np.dtype:
         dt = np.dtype(dtype)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         raise TypeError(f"dtype={dtype!r} is not a dtype; allowed: {allowed}") from None
-    if dt not in _SUPPORTED_SET:
+    if dt not in SUPPORTED_SET:
         native = dt.newbyteorder("=")
         hint = (f" ({native} in the other byte order: convert with "
-                f".astype({str(native)!r}))" if native != dt and native in _SUPPORTED_SET
+                f".astype({str(native)!r}))" if native != dt and native in SUPPORTED_SET
                 else "")
         raise TypeError(f"dtype={str(dt)!r} is not supported{hint}; allowed: {allowed}")
     return dt

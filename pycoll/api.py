@@ -18,7 +18,8 @@ from pycoll import agree, algorithms, select, verify
 from pycoll.bindings.transport import ChannelsCrossed, CollectiveTimeout, WaitTimeout
 from pycoll.comm import Communicator, is_int, world
 from pycoll.execute import compile_program, player, run, some_rank_forwards
-from pycoll.kernels import SUPPORTED_DTYPES, ReduceOp, check_dtype, check_op_for_dtype
+from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
+from pycoll.kernels.host import SUPPORTED_SET
 from pycoll.schedule import SHARDED, Collective, Layout, split
 from pycoll.settings import switch
 from pycoll.spaces import HOST, space_of
@@ -32,7 +33,6 @@ _ONE_SHOT = "one shot"  # how a remembered call ran: every rank's x through shar
 # Enum members as module constants for the one-shot's hot path: in CPython 3.11,
 # ``ReduceOp.AVG`` is a Python-level lookup on the Enum class (about 0.1 us each)
 _ALLREDUCE, _AVG = Collective.ALLREDUCE, ReduceOp.AVG
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
 @verify.verified("allreduce")
@@ -937,7 +937,7 @@ def _comm(comm: Communicator | None, drain: bool = True) -> Communicator:
 
 def _space(x: object, collective: str, name: str = "x") -> Any:
     """The memory space of ``x`` (numpy or a device), after checking ``x`` is usable."""
-    if type(x) is np.ndarray and x.dtype in _SUPPORTED and x.flags.c_contiguous:
+    if type(x) is np.ndarray and x.dtype in SUPPORTED_SET and x.flags.c_contiguous:
         return HOST  # every call's case, in one test (Send/Recv's time is mostly checks)
     space = space_of(x)
     if space is None:

@@ -708,25 +708,16 @@ def check_environment() -> None:
     """Raise what this rank's PYCOLL_* settings would, later and one at a time, or only on
     the path that reads them: when a communicator is made, and by the command line before
     any (every rank together)."""
-    from pycoll.bindings import shm, staged
+    from pycoll.bindings import shm
     from pycoll.kernels import device
     from pycoll.schedule import Collective
-    from pycoll.settings import switch
 
     select.check_settings()
     device.kernel_backend()  # PYCOLL_KERNELS
     shm.cma_setting()
-    switch("PYCOLL_FORWARD", True)  # as api._forwarding reads it (which tests replace)
-    staged.forced_cuda_awareness()
+    shared_settings()  # reads (and checks) every setting the ranks must agree on
     select.forced_algorithm(Collective.ALLREDUCE)  # parses the whole of PYCOLL_ALGO
     _timeout_from_env()
-    _host_transport_mode()
-    _device_transport_mode()
-    _ranks_per_node(1)
-    agree.enabled_by_default()
-    verification.enabled_by_default()
-    shm.ring_bytes_from_env()
-    shm.small_bytes_from_env()
 
 
 def shared_settings() -> dict[str, Any]:
@@ -738,17 +729,18 @@ def shared_settings() -> dict[str, Any]:
     from pycoll.settings import switch
 
     return {
+        # PYCOLL_FORWARD as api._forwarding reads it (which tests replace)
+        "PYCOLL_FORWARD": bool(switch("PYCOLL_FORWARD", True)),
+        "PYCOLL_CUDA_AWARE_MPI": staged.forced_cuda_awareness(),
+        "PYCOLL_ALGO": os.environ.get(select.ALGO_ENV, "").strip() or "unset",
+        "PYCOLL_SEGMENTS": select.FORCED_SEGMENTS or "unset",
         "PYCOLL_HOST_TRANSPORT": _host_transport_mode(),
         "PYCOLL_DEVICE_TRANSPORT": _device_transport_mode(),
         "PYCOLL_RANKS_PER_NODE": _ranks_per_node(0) or "unset",
-        "PYCOLL_ALGO": os.environ.get(select.ALGO_ENV, "").strip() or "unset",
-        "PYCOLL_SEGMENTS": select.FORCED_SEGMENTS or "unset",
-        "PYCOLL_SHM_RING_BYTES": shm.ring_bytes_from_env(),
-        "PYCOLL_SHM_ONE_SHOT_BYTES": shm.small_bytes_from_env(),
         "PYCOLL_CHECK": agree.enabled_by_default(),
         "PYCOLL_VERIFY": verification.enabled_by_default(),
-        "PYCOLL_FORWARD": bool(switch("PYCOLL_FORWARD", True)),
-        "PYCOLL_CUDA_AWARE_MPI": staged.forced_cuda_awareness(),
+        "PYCOLL_SHM_RING_BYTES": shm.ring_bytes_from_env(),
+        "PYCOLL_SHM_ONE_SHOT_BYTES": shm.small_bytes_from_env(),
     }
 
 
