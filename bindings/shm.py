@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from pycoll.bindings.transport import ChannelsCrossed, WaitTimeout
+from pycoll.bindings.transport import SAME_CALL, ChannelsCrossed, WaitTimeout
 from pycoll.settings import switch
 
 LINE = 64  # bytes of a cache line; every header and payload starts on one
@@ -398,8 +398,7 @@ class SharedMemoryTransport:
                 f"rank {self.rank} waits in the rings to {'send' if sending else 'receive'} "
                 f"{r.total} bytes {'to' if sending else 'from'} rank "
                 f"{self.local[r.peer]}, which has gone on to a small call through the "
-                "one-shot slots; the ranks disagree on the call (every rank must pass the "
-                "same count and dtype)"))
+                f"one-shot slots; the ranks disagree on the call ({SAME_CALL})"))
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         self.waitall([self.irecv(recv, src, tag), self.isend(send, dst, tag)])
@@ -629,8 +628,7 @@ class SharedMemoryTransport:
                         raise self._give_up(ChannelsCrossed(
                             f"{collective}: rank {self.rank} passed {x.size} elements of "
                             f"{x.dtype} (a small call, through the one-shot slots) but rank "
-                            f"{self.local[i]} sends it a message through the rings; every "
-                            "rank must pass the same count and dtype"))
+                            f"{self.local[i]} sends it a message through the rings; {SAME_CALL}"))
 
                 while control[flag] < seq:
                     idle = self._idle(idle, (i,), crossed)
@@ -642,9 +640,7 @@ class SharedMemoryTransport:
                 raise ValueError(
                     f"{collective}: rank {self.rank} passed {x.size} elements of {x.dtype} but "
                     f"rank {self.local[i]} passed {theirs >> 16} of "
-                    f"{_dtype_name(theirs & 0xFFFF)}; every rank must pass the same count and "
-                    "dtype"
-                )
+                    f"{_dtype_name(theirs & 0xFFFF)}; {SAME_CALL}")
             if control[agreed + 2] != call:
                 raise ValueError(
                     f"{collective}: rank {self.rank} and rank {self.local[i]} passed a "

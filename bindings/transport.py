@@ -63,6 +63,12 @@ class CollectiveTimeout(TimeoutError):
     the algorithm, the step and the peers still awaited. The communicator is broken after it."""
 
 
+# What a call's mismatch error asks of the ranks: a different algorithm, or a rank checking
+# or verifying alone, shows up to the transport as counts or sizes that disagree.
+SAME_CALL = ("every rank must pass the same count and dtype, and the same algorithm, with "
+             "comm.check and comm.verify alike")
+
+
 def counts_disagree(rank: int, expected: int, peer: int, tag: int, got: int | None) -> ValueError:
     """The error of a receive of ``expected`` bytes whose message held ``got`` (None: more
     than fit), worded alike by every host transport."""

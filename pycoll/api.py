@@ -16,7 +16,7 @@ import numpy as np
 
 from pycoll import agree, algorithms, select, verify
 from pycoll.bindings.transport import ChannelsCrossed, CollectiveTimeout, WaitTimeout
-from pycoll.comm import Communicator, is_int, world
+from pycoll.comm import AGREEMENT_TAG, Communicator, is_int, world
 from pycoll.execute import compile_program, player, run, some_rank_forwards
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
 from pycoll.kernels.host import SUPPORTED_SET
@@ -1196,7 +1196,8 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
         space = call.space
         source, original = comm.buffer("input", source.size, source.dtype, space), source
         space.copy(source, original)
-    tag = comm.next_tag() if tag is None else tag
+    if tag is None:  # the agreement's exchange: on a tag no collective takes
+        tag = AGREEMENT_TAG if comm.agreeing else comm.next_tag()
     kept = call.kept
     if kept is None or kept[2] != (source.size, target.size):  # (not kept: device calls)
         kept = _player(comm, call, source, target)

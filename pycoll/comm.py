@@ -38,6 +38,12 @@ _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
 _ARRIVALS = ("split", "empty", "the first collective (connecting shared memory)",
              "the first collective (sharing the tuning file's costs)")
 _ARRIVAL_TAG = _TAG_LIMIT  # above every collective's (next_tag), on the collective transport
+# The agreement's and the verification's exchanges, likewise: a rank whose comm.check or
+# comm.verify was set and a rank whose was not must never read each other's checksums as a
+# collective's data (16 bytes of sums were taken for a 2-element float64 AllReduce's).
+AGREEMENT_TAG = _TAG_LIMIT - 1
+VERIFICATION_TAG = _TAG_LIMIT - 2
+_COLLECTIVE_TAGS = _TAG_LIMIT - 2  # next_tag's: 0 up to below the reserved ones
 
 
 class Communicator:
@@ -51,7 +57,12 @@ class Communicator:
         # first: a rank whose settings are bad raises below, alone, while its peers go on to
         # make the world together; uncaught, its error must end the job, not leave them
         _abort_job_on_uncaught_exception()
-        check_environment()
+        try:
+            check_environment()
+        except ValueError as error:  # raised below, after the peers hear of it
+            bad_setting: ValueError | None = error
+        else:
+            bad_setting = None
         MPI = mpi()
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(parent, MPI.Intracomm) or parent == MPI.COMM_NULL:
@@ -59,9 +70,19 @@ class Communicator:
             raise TypeError(f"mpi_comm={mpi_comm!r} is invalid; allowed: an mpi4py "
                             "intracommunicator (MPI.Intracomm, not COMM_NULL)")
         if parent.Get_size() > 1:  # one rank on shared memory and one not would wait forever
-            differ = settings_disagreement(parent.allgather(shared_settings()))
+            # a rank's bad setting goes round as its text: caught there, its peers would
+            # otherwise wait in this allgather for a rank that never comes
+            tables = parent.allgather(str(bad_setting) if bad_setting else shared_settings())
+            if bad_setting is not None:
+                raise bad_setting
+            bad = [(r, said) for r, said in enumerate(tables) if isinstance(said, str)]
+            if bad:
+                raise ValueError("; ".join(f"rank {r}: {said}" for r, said in bad))
+            differ = settings_disagreement(tables)
             if differ is not None:
                 raise ValueError(differ)
+        elif bad_setting is not None:
+            raise bad_setting
         self.mpi_comm = parent
         self._owns_mpi_comm = False
         self._attach(MPITransport(parent.Dup()), MPITransport(parent.Dup()))
@@ -601,7 +622,7 @@ class Communicator:
 
     def next_tag(self) -> int:
         """The tag of the next collective; every rank calls collectives in the same order."""
-        self._sequence = (self._sequence + 1) % _TAG_LIMIT
+        self._sequence = (self._sequence + 1) % _COLLECTIVE_TAGS
         return self._sequence
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:

@@ -189,7 +189,7 @@ def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = 
 
     if sizes is None:
         sizes = [mine.size] * comm.size
-    transport, tag = comm.host_transport(), comm.next_tag()
+    transport, tag = comm.host_transport(), _comm_module().VERIFICATION_TAG
     raw = mine.view(np.uint8)
     got = [raw if r == comm.rank else np.empty(sizes[r] * mine.itemsize, np.uint8)
            for r in range(comm.size)]

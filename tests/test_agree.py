@@ -175,3 +175,33 @@ def test_host_and_device_arrays_in_one_collective_are_named():
         spaces.unregister(fake)
     for error in errors:
         assert 'memory: "host" on ranks 0, 2; "fake-agree" on rank 1' in error, error
+
+
+@pytest.mark.parametrize("setting", ["check", "verify"])
+def test_a_rank_checking_alone_never_takes_the_checksums_for_data(monkeypatch, setting):
+    """comm.check (or comm.verify) set on one rank only: its checksums travelled on the next
+    collective's tag, and the other ranks summed them as their peer's data (16 bytes of sums
+    for a 2-element float64 AllReduce). Now they travel on tags of their own: an error (the
+    threads' Deadlock, or each rank's own), not a wrong sum."""
+    monkeypatch.setenv("PYCOLL_CHECK", "0")
+    expected = sum(np.arange(2.0) + r for r in range(NRANKS))
+    wrong, errors = [], []
+
+    def body(rank):
+        comm = pycoll.world()
+        comm.timeout = 10
+        setattr(comm, setting, rank == 0)
+        try:
+            for _ in range(3):
+                got = pycoll.allreduce(np.arange(2.0) + rank)
+                if not np.array_equal(got, expected):
+                    wrong.append((rank, got))
+        except Exception as error:  # noqa: BLE001 - any error will do
+            errors.append(error)
+
+    try:
+        run(body)
+    except pycoll.Deadlock as error:
+        errors.append(error)
+    assert not wrong
+    assert errors  # the ranks disagree on the call: someone says so

@@ -179,6 +179,22 @@ def test_ranks_whose_settings_differ_all_raise_making_a_communicator(setting, va
                     "every rank") in output, output
 
 
+def test_a_rank_that_catches_its_bad_setting_leaves_no_peer_waiting():
+    """Rank 1 alone with PYCOLL_SEGMENTS=x, its ValueError caught: its peers waited forever
+    in the allgather of the settings, which no deadline covers. Every rank now raises."""
+    done = subprocess.run(
+        [mpiexec(), "-n", "1", sys.executable, "-c", SETTINGS_DIFFER,
+         ":", "-n", "1", "env", "PYCOLL_SEGMENTS=x", sys.executable, "-c", SETTINGS_DIFFER,
+         ":", "-n", "1", sys.executable, "-c", SETTINGS_DIFFER],
+        capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    bad = "PYCOLL_SEGMENTS='x' is invalid; allowed: an int in 1..1024, or unset"
+    assert f"rank 1: {bad}" in output.splitlines(), output
+    for rank in (0, 2):
+        assert f"rank {rank}: rank 1: {bad}" in output.splitlines(), output
+
+
 LONE_RANK = """
 import numpy as np, pycoll
 from mpi4py import MPI
@@ -511,8 +527,9 @@ def test_a_rank_with_a_bad_setting_ends_the_job_instead_of_leaving_its_peers(set
     output = done.stdout + done.stderr
     name, value = setting.split("=")
     assert done.returncode != 0 and "finished" not in output, output
-    assert (f"pycoll: rank 0 raised ValueError: {name}='{value}' is invalid; allowed: "
-            f"{allowed}; aborting the job") in output
+    # every rank raises it (the peers as "rank 0: ..."): whichever ends the job first says so
+    assert re.search(rf"pycoll: rank \d raised ValueError: (rank 0: )?{name}='{value}' is "
+                     rf"invalid; allowed: {re.escape(allowed)}; aborting the job", output), output
     assert time.monotonic() - started < 60
 
 

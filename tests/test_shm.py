@@ -347,9 +347,11 @@ def test_one_shot_ranks_that_disagree_fail_on_every_rank(monkeypatch):
     run(2, body)
     assert sorted(errors) == [
         "allreduce: rank 0 passed 3 elements of float32 but rank 1 passed 3 of int64; every "
-        "rank must pass the same count and dtype",
+        "rank must pass the same count and dtype, and the same algorithm, with comm.check and "
+        "comm.verify alike",
         "allreduce: rank 1 passed 3 elements of int64 but rank 0 passed 3 of float32; every "
-        "rank must pass the same count and dtype",
+        "rank must pass the same count and dtype, and the same algorithm, with comm.check and "
+        "comm.verify alike",
     ]
 
 
