@@ -747,6 +747,9 @@ def _time(case: _Case, algorithm: str, options: Options, barrier: Callable[[], N
         if iteration >= options.warmup:
             ours.append(mine)
             theirs.append(other)
+    # every rank's last call ends before any goes on: a thread rank preparing the gather's
+    # new shape held the GIL through its peers' last timed call (10x the first size's)
+    barrier()
     slowest = pycoll.allreduce(np.array(ours + theirs), "max", comm=case.comm)
     time_us = float(np.median(slowest[: options.iters])) * 1e6
     native_us = float(np.median(slowest[options.iters:])) * 1e6 if native is not None else None
@@ -869,11 +872,43 @@ def write_whole(text: str, path: str) -> None:
     os.replace(tmp, target)
 
 
+class OutputError(ValueError):
+    """A --json or --csv file that could not be written (on rank 0 alone)."""
+
+
+def destination(path: str | None) -> str | None:
+    """'-' for a path that is this process's stdout (/dev/stdout, or the file stdout was sent
+    to), else ``path``: written as a file, it replaced stdout's file under the table."""
+    if path in (None, "-"):
+        return path
+    try:
+        return "-" if os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno())) else path
+    except (OSError, ValueError, AttributeError):  # no such file yet; stdout with no file
+        return path
+
+
+def rewritten(path: str | None) -> bool:
+    """Whether ``path`` is rewritten with every row: a regular file (or none yet). A pipe or
+    a device is written once, after the run, as '-' is: it took each rewrite in turn (three
+    JSON arrays one after another)."""
+    return path not in (None, "-") and (os.path.isfile(path) or not os.path.exists(path))
+
+
+def write_output(write: Callable[[list, str], None], rows: list, path: str, flag: str) -> None:
+    """``write(rows, path)``, an OSError named by its flag (the folder checked before the run
+    may refuse the file: a dangling link, /proc)."""
+    try:
+        write(rows, path)
+    except OSError as error:
+        raise OutputError(f"{flag} {path}: cannot write it ({error.strerror or error})"
+                          ) from None
+
+
 class RowStream:
     """``run``'s ``on_row`` for the command line, as nccl-tests prints: the header before the
     first row, each row as it is measured, and the JSON and CSV files rewritten with every
-    row so far, so that a run killed by a time limit keeps what it measured ('-', stdout, is
-    written once, by ``close``). ``close`` prints the footer."""
+    row so far, so that a run killed by a time limit keeps what it measured ('-', stdout, a
+    pipe or a device is written once, by ``close``). ``close`` prints the footer."""
 
     def __init__(self, title: str, against: bool, roofline: bool, json_path: str | None = None,
                  csv_path: str | None = None, out: TextIO | None = None,
@@ -891,17 +926,18 @@ class RowStream:
             self._print(format_header(self.title, *self.columns))
         self.rows.append(row)
         self._print(format_row(row, *self.columns))
-        if self.json_path not in (None, "-"):
-            write_json(self.rows, self.json_path)
-        if self.csv_path not in (None, "-"):
-            write_csv(self.rows, self.csv_path)
+        for write, path, flag in self._outputs():
+            if rewritten(path):
+                write_output(write, self.rows, path, flag)
 
     def close(self, rows: list[Row]) -> None:
-        """After the run: the footer, and the files for '-'."""
+        """After the run: the footer, and what is written once ('-', a pipe, a device)."""
         if not self.rows:
             self._print(format_header(self.title, *self.columns))
         self._print(format_footer(rows))
-        if self.json_path == "-":
-            write_json(rows, "-")
-        if self.csv_path == "-":
-            write_csv(rows, "-")
+        for write, path, flag in self._outputs():
+            if path is not None and not rewritten(path):
+                write_output(write, rows, path, flag)
+
+    def _outputs(self) -> list[tuple[Callable[[list, str], None], str | None, str]]:
+        return [(write_json, self.json_path, "--json"), (write_csv, self.csv_path, "--csv")]

@@ -320,7 +320,9 @@ def stream_rows(json_path: str | None = None, csv_path: str | None = None,
                 out: TextIO | None = None) -> Callable[[KernelRow], None]:
     """An ``on_row`` for ``run``: prints each row to ``out`` (default: stdout; the header
     first) and rewrites the JSON and CSV files with every row so far, so a killed run keeps
-    them (not for '-', stdout: that is written once, at the end, by the caller)."""
+    them (not '-', stdout, a pipe or a device: written once, at the end, by the caller)."""
+    from pycoll.bench import rewritten, write_output
+
     rows: list[KernelRow] = []
 
     def on_row(row: KernelRow) -> None:
@@ -329,9 +331,9 @@ def stream_rows(json_path: str | None = None, csv_path: str | None = None,
             print(TABLE_HEADER, file=stream, flush=True)
         rows.append(row)
         print(format_row(row), file=stream, flush=True)
-        if json_path and json_path != "-":
-            write_json(rows, json_path)
-        if csv_path and csv_path != "-":
-            write_csv(rows, csv_path)
+        if rewritten(json_path):
+            write_output(write_json, rows, json_path, "--json")
+        if rewritten(csv_path):
+            write_output(write_csv, rows, csv_path, "--csv")
 
     return on_row

@@ -142,6 +142,7 @@ def run(options: bench.Options, comm: Communicator, algorithms: list[str] | None
                 started = time.perf_counter()
                 case.call(a)
                 samples[a].append(time.perf_counter() - started)
+        barrier()  # every rank's last call ends before any goes on (see bench._time)
         flat = np.array([samples[a] for a in names], dtype=np.float64)
         slowest = pycoll.allreduce(flat, "max", comm=comm)
         for i, a in enumerate(names):

@@ -180,9 +180,10 @@ class Topology:
                                  f"allowed: {allowed}")
         costs = [topology.intra.alpha, topology.intra.beta, topology.inter.alpha,
                  topology.inter.beta, topology.gamma, topology.delta]
-        if any(not cost >= 0 for cost in costs):  # NaN too
-            raise ValueError(f"topology {source or topology.name}: a cost below 0 in {costs}; "
-                             "allowed: costs >= 0")
+        if any(not 0 <= cost < math.inf for cost in costs + [topology.call]):  # NaN too
+            raise ValueError(f"topology {source or topology.name}: a cost below 0 or not "
+                             f"finite in {costs}; allowed: finite costs >= 0 (Infinity "
+                             "priced every algorithm at inf)")
         return replace(topology, source=source or topology.source)
 
 
@@ -198,11 +199,12 @@ def _curve(name: str, points: list, source: str) -> tuple[tuple[int, float], ...
     if any(not (_is_number(b) and _is_number(v)) for b, v in points):  # not "8", not true
         raise ValueError(f"topology {source}: curves[{name!r}]={points!r}; allowed: a list "
                          "of [bytes, cost] pairs of numbers, bytes >= 1, costs >= 0")
-    pairs = tuple(sorted((int(b), float(v)) for b, v in points))
-    if not pairs or any(not (b >= 1 and v >= 0 and math.isfinite(v)) for b, v in pairs):
+    # bytes finite before int() (1e400 reads as inf: OverflowError)
+    if not points or any(not (math.isfinite(b) and b >= 1 and math.isfinite(v) and v >= 0)
+                         for b, v in points):
         raise ValueError(f"topology {source}: curves[{name!r}]={points!r}; allowed: a list "
                          "of [bytes, cost] pairs, bytes >= 1, costs >= 0")
-    return pairs
+    return tuple(sorted((int(b), float(v)) for b, v in points))
 
 
 def _is_number(value: object) -> bool:
@@ -577,7 +579,7 @@ def save_tuning(topologies: list[tuple[str, Topology]], path: Path | None = None
     body: dict = {"transports": {k: [t.to_json() for t in v] for k, v in current.items()}}
     if fits or kept_fits:
         body["fits"] = {**kept_fits, **(fits or {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.resolve().parent.mkdir(parents=True, exist_ok=True)  # a link's target's folder
     path.write_text(json.dumps(body, indent=1) + "\n")
     return path
 

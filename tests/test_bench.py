@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import threading
 
+import numpy as np
 import pytest
 from test_mpi import mpiexec
 
@@ -867,3 +870,126 @@ def test_the_check_counts_a_block_moved_by_the_old_patterns_period(monkeypatch, 
     assert main(["bench", collective, "--ranks", "2", "-b", "4096", "-e", "4096", "-n", "1",
                  "-w", "0", "--in-place", "0", "-d", "int32", "--json", "-"]) == 1
     assert json.loads(capsys.readouterr().out)[0]["wrong"] > 0
+
+
+def test_every_rank_ends_its_timed_calls_before_the_samples_are_gathered(monkeypatch):
+    """In-process, a rank done first went on to gather the samples; preparing that gather
+    (a shape not seen before) held the GIL through its peer's last timed call, which took
+    about 10x as long: the first size's time, in bench and in compare."""
+    events = []
+
+    class Case:
+        comm = pycoll.world()
+
+        def call(self, algorithm):
+            events.append("call")
+
+    def gather(samples, op, comm):
+        events.append("gather")
+        return samples
+
+    monkeypatch.setattr(bench.pycoll, "allreduce", gather)
+    bench._time(Case(), "auto", bench.Options(iters=2, warmup=1), lambda: events.append(
+        "barrier"), None)
+    assert events == ["barrier", "call"] * 3 + ["barrier", "gather"]
+
+
+def test_compare_ends_every_timed_call_before_the_samples_are_gathered(monkeypatch):
+    from pycoll import compare
+
+    events = []
+
+    class Case:
+        def __init__(self, options, collective, dtype, size, comm):
+            self.count, self.x = size // dtype.itemsize, np.zeros(size // dtype.itemsize, dtype)
+
+        def call(self, algorithm):
+            events.append("call")
+
+    def gather(samples, op, comm):
+        events.append("gather")
+        return samples
+
+    monkeypatch.setattr(bench, "_Case", Case)
+    monkeypatch.setattr(bench, "barrier_of", lambda comm: lambda: events.append("barrier"))
+    monkeypatch.setattr(compare.pycoll, "allreduce", gather)
+    options = bench.Options(min_bytes=64, max_bytes=64, iters=2, warmup=0, check=False)
+    compare.run(options, pycoll.world(), algorithms=["ring"])
+    assert events == ["barrier", "call"] * 4 + ["barrier", "gather"]  # ring and auto, twice
+
+
+TINY_BENCH = ["bench", "--ranks", "2", "-b", "8", "-e", "32", "-n", "1", "-w", "0",
+              "--in-place", "0"]
+
+
+@pytest.mark.parametrize("other", ["./{name}", "link"])
+def test_one_file_under_two_names_is_the_same_destination(tmp_path, monkeypatch, capsys,
+                                                          other):
+    """--json x --csv ./x (or a link to x) kept the CSV alone, the JSON silently lost."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "out")
+    assert main([*TINY_BENCH, "--json", "out", "--csv", other.format(name="out")]) == 2
+    assert "the same destination" in capsys.readouterr().err
+
+
+def test_a_pipe_gets_the_rows_once_after_the_run(tmp_path, capsys):
+    """A pipe took each row's rewrite in turn: three JSON arrays one after another."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    read: list[str] = []
+    done = threading.Event()
+
+    def drain():  # each writer's text, until the run is over
+        while not done.is_set():
+            text = fifo.read_text()
+            if text:
+                read.append(text)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    assert main([*TINY_BENCH, "--json", str(fifo)]) == 0
+    done.set()
+    fifo.open("w").close()  # the reader's last open returns
+    reader.join(timeout=60)
+    assert len(read) == 1, read
+    assert [row["size"] for row in json.loads(read[0])] == [8, 16, 32]
+
+
+def test_dev_stdout_is_stdout(tmp_path):
+    """--json /dev/stdout with stdout sent to a file replaced that file (the table went to
+    the replaced one); it is now '-': the JSON on stdout, the table on stderr."""
+    out = tmp_path / "out.txt"
+    with out.open("w") as stdout:
+        done = subprocess.run([sys.executable, "-P", "-m", "pycoll", *TINY_BENCH, "--json",
+                               "/dev/stdout"], stdout=stdout, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [row["size"] for row in json.loads(out.read_text())] == [8, 16, 32]
+    assert "# Avg bus bandwidth" in done.stderr
+
+
+def test_an_output_that_cannot_be_written_is_named(tmp_path, monkeypatch, capsys):
+    """A dangling link passed the folder check (its own folder exists) and the run ended in
+    a FileNotFoundError traceback; a file the folder refuses (/proc/x) likewise."""
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "missing" / "x.json")
+    assert main([*TINY_BENCH, "--json", str(dangling)]) == 2
+    assert f"--json {dangling}: cannot write a file there" in capsys.readouterr().err
+
+    def refused(text, path):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(bench, "write_whole", refused)
+    path = tmp_path / "x.csv"
+    assert main([*TINY_BENCH, "--csv", str(path)]) == 2
+    assert f"--csv {path}: cannot write it (Permission denied)" in capsys.readouterr().err
+
+
+def test_a_tuning_file_through_a_link_gets_its_target_folder(tmp_path):
+    from pycoll import model, scaling
+
+    link = tmp_path / "tuning.json"
+    link.symlink_to(tmp_path / "made" / "here.json")
+    model.save_tuning([("local", scaling.builtin_topologies()["ethernet"])], link)
+    assert "local" in model.load_tuning(tmp_path / "made" / "here.json")
