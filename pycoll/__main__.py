@@ -2,4 +2,5 @@ import sys
 
 from pycoll.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # spawned workers import this module by name too
+    sys.exit(main())

@@ -345,7 +345,7 @@ def _writable(path: str | None, flag: str, makes_folders: bool = False,
         return
     if not path or path == "-":  # "" would name the current folder
         raise ValueError(f"{flag} {path!r}: not a file; allowed: {allowed}")
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = os.path.dirname(os.path.realpath(path))  # a link's target is what is written
     while makes_folders and not os.path.exists(folder) and os.path.dirname(folder) != folder:
         folder = os.path.dirname(folder)
     if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
@@ -353,9 +353,15 @@ def _writable(path: str | None, flag: str, makes_folders: bool = False,
 
 
 def _outputs(json_path: str | None, csv_path: str | None) -> None:
+    """Refuse --json and --csv paths that cannot be written, or name one file (also by
+    another name: ./x and x, a link, /dev/stdout and -); pass them through
+    ``bench.destination`` first."""
     _writable(json_path, "--json")
     _writable(csv_path, "--csv")
-    if json_path is not None and json_path == csv_path:  # one would overwrite the other
+    if json_path is None or csv_path is None:
+        return
+    if (json_path == csv_path if "-" in (json_path, csv_path)
+            else os.path.realpath(json_path) == os.path.realpath(csv_path)):  # one overwrites
         raise ValueError(f"--json {json_path} --csv {csv_path}: the same destination; "
                          "allowed: different files, or - for one of them")
 
@@ -400,6 +406,7 @@ def _bench(args: argparse.Namespace) -> int:
         # every pair, before any is measured
         bench.check_sweeps(runs, _nranks(args.ranks), here, _available_memory())
         model.load_tuning()  # unreadable: said here, once, not by the first collective
+        args.json, args.csv = bench.destination(args.json), bench.destination(args.csv)
         _outputs(args.json, args.csv)
         if args.ranks is not None and args.against:
             raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
@@ -444,17 +451,24 @@ def _bench(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, RuntimeError, TimeoutError) as error:
         # a collective's timeout too: exit 1 says the run ended with wrong values, no more
         print(f"pycoll bench: {error}", file=sys.stderr)
-        if isinstance(error, TimeoutError) and args.ranks is None and size > 1:
+        if (isinstance(error, (TimeoutError, bench.OutputError)) and args.ranks is None
+                and size > 1):
             from pycoll.comm import abort_job
 
-            abort_job(2)  # a peer may wait where no deadline reaches (a GPU stream)
+            # a peer may wait where no deadline reaches (a GPU stream), or in the next
+            # size's collective for rank 0, which alone writes the files
+            abort_job(2)
         return 2
     except MemoryError:
         print(f"pycoll bench: --max-bytes={args.max_bytes}: cannot allocate the buffers",
               file=sys.stderr)
         return 2
     if rank == 0:
-        stream.close(rows)
+        try:
+            stream.close(rows)
+        except bench.OutputError as error:  # the peers are done: they wait for nothing
+            print(f"pycoll bench: {error}", file=sys.stderr)
+            return 2
     return 0 if all(not r.all_wrong() for r in rows) else 1  # None: not checked
 
 
@@ -574,29 +588,40 @@ def _model(args: argparse.Namespace) -> int:
                              f"--step-factor={args.step_factor} sweep no whole element of "
                              f"{args.dtype} ({itemsize} B): they measure "
                              f"{', '.join(map(str, swept))} B only; allowed: {advice}")
-        rows = scaling.table(collective, ranks, sizes, topology, itemsize=itemsize)
-        if not rows:
+        plan = scaling.sweep(collective, ranks, sizes, topology, itemsize=itemsize)
+        if not plan.keys():
             raise ValueError(f"--max-bytes={args.max_bytes} holds no whole {args.dtype} row "
                              f"per rank at --ranks={args.ranks} ({collective.value} splits "
                              "evenly, as bench does); allowed: a larger --max-bytes")
     except (ValueError, TypeError) as error:
         print(f"pycoll model: {error}", file=sys.stderr)
         return 2
-    print(scaling.format_table(collective, rows, topology))
-    families = {e.algorithm for row in rows for e in row if e is not None}
-    if {"ring", "tree"} <= families:
-        first, last = (bench.size_text(s, flag=False) for s in (sizes[0], sizes[-1]))
-        scanned = f"{first} to {last}"
-        priced = {e.nranks for row in rows for e in row if e is not None}
-        for p in ranks:  # a rank count with rows in the table, and both families there
-            if p not in priced or not all(scaling.applies(collective, family, p, topology)
-                                          for family in ("tree", "ring")):
-                continue
-            size = scaling.crossover(collective, p, topology, "tree", "ring",
-                                     low=sizes[0], high=sizes[-1], itemsize=itemsize)
-            where = (f"at no size from {scanned}" if size is None
-                     else f"up to {bench.size_text(size, flag=False)} at least (scanned {scanned})")
-            print(f"# {p} ranks: tree predicted faster than ring {where} (sizes x4 apart)")
+    # tree against ring at each rank count with rows, where both apply there
+    compared = [p for p in ranks if plan.sizes[p] and all(
+        scaling.applies(collective, family, p, topology) for family in ("tree", "ring"))]
+    compared = compared if {"ring", "tree"} <= set(plan.families) else []
+    scanned = {p: scaling.crossover_sizes(collective, p, sizes[0], sizes[-1], itemsize)
+               for p in compared}
+    workers = scaling.workers_for(collective, ranks, topology)
+    try:  # a topology's costs may be read only when priced
+        with scaling.Pricer(collective, topology, itemsize, workers) as price:
+            price.prefetch(plan.keys() + [(family, p, nbytes) for p in compared
+                                          for nbytes in scanned[p] for family in ("tree", "ring")])
+            print(scaling.format_header(collective, plan.families, topology), flush=True)
+            for row in scaling.rows(plan, price):  # each row as soon as it is priced
+                print(scaling.format_row(row), flush=True)
+            for p in compared:  # the sizes as measured there (whole rows per rank)
+                span = scanned[p] or sizes
+                first, last = (bench.size_text(s, flag=False) for s in (span[0], span[-1]))
+                size = scaling.crossover(collective, p, topology, "tree", "ring", low=sizes[0],
+                                         high=sizes[-1], itemsize=itemsize, price=price)
+                where = (f"at no size from {first} to {last}" if size is None else
+                         f"up to {bench.size_text(size, flag=False)} at least (scanned {first} "
+                         f"to {last})")
+                print(f"# {p} ranks: tree predicted faster than ring {where} (sizes x4 apart)")
+    except (ValueError, TypeError) as error:
+        print(f"pycoll model: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -662,6 +687,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
                     f"{flag}={getattr(args, name)!r} does not apply to kernels (one process, "
                     "the GPU's kernels alone); allowed: -b -e -f -n -w -d -o --backend --json "
                     "--csv")
+        args.json, args.csv = bench.destination(args.json), bench.destination(args.csv)
         _outputs(args.json, args.csv)
         sizes = bench.sizes(bench.parse_size(args.min_bytes, "--min-bytes"),
                             bench.parse_size(args.max_bytes, "--max-bytes"), args.step_factor)
@@ -677,10 +703,14 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, RuntimeError) as error:
         print(f"pycoll bench kernels: {error}", file=sys.stderr)
         return 2
-    if args.json == "-":
-        bench_kernels.write_json(rows, "-")
-    if args.csv == "-":
-        bench_kernels.write_csv(rows, "-")
+    try:  # what is written once: '-', a pipe, a device
+        for write, path, flag in ((bench_kernels.write_json, args.json, "--json"),
+                                  (bench_kernels.write_csv, args.csv, "--csv")):
+            if path is not None and not bench.rewritten(path):
+                bench.write_output(write, rows, path, flag)
+    except bench.OutputError as error:
+        print(f"pycoll bench kernels: {error}", file=sys.stderr)
+        return 2
     failed = sorted({f"{r.kernel}/{r.backend}" for r in rows if r.error is not None})
     if failed:
         print(f"pycoll bench kernels: failed: {', '.join(failed)}", file=sys.stderr)

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
+from multiprocessing import get_context
 from pathlib import Path
 
 from pycoll import algorithms, model
@@ -83,31 +87,111 @@ class Estimate:
     how: str
 
 
+def segment_counts(collective: Collective, family: str, nranks: int, nbytes: int,
+                   topology: model.Topology, itemsize: int = 4) -> tuple[int, ...]:
+    """The segment counts priced for ``family`` at this size: 1 where rank 0 stands for all
+    (beyond FULL_LIMIT, even on part-filled nodes and with uneven chunks), else the model's
+    choices."""
+    if nranks > FULL_LIMIT and model.symmetric(collective, family, nranks):
+        return (1,)
+    return model.segment_choices(nbytes // itemsize, nranks, topology)
+
+
+@functools.lru_cache(maxsize=4096)
+def segment_seconds(collective: Collective, family: str, nranks: int, nbytes: int,
+                    nsegments: int, topology: model.Topology, itemsize: int = 4) -> float:
+    """The predicted time of ``family`` cut into ``nsegments`` (see the module docstring)."""
+    count = nbytes // itemsize
+    topology = topology.with_curves()
+    if nranks > FULL_LIMIT and model.symmetric(collective, family, nranks):
+        return model.lockstep_seconds(collective, family, nranks, nsegments, count, topology,
+                                      itemsize)
+    root = 0 if collective in ROOTED else None
+    return model.seconds(collective, family, nranks, nsegments, root, count, topology,
+                         itemsize)
+
+
+def estimate(collective: Collective, family: str, nranks: int, nbytes: int,
+             seconds_by_segments: dict[int, float]) -> Estimate:
+    """The best of the priced segment counts (the fewest segments among equals)."""
+    nsegments, seconds = min(seconds_by_segments.items(), key=lambda pair: (pair[1], pair[0]))
+    factor = bus_factor(collective, nranks)
+    busbw = nbytes / seconds / 1e9 * factor if seconds > 0 else 0.0
+    lockstep = nranks > FULL_LIMIT and model.symmetric(collective, family, nranks)
+    how = "one rank for all" if lockstep else "every rank's play"
+    return Estimate(nranks, nbytes, family, nsegments, seconds, busbw, how)
+
+
 @functools.lru_cache(maxsize=4096)
 def predict_at_scale(collective: Collective, family: str, nranks: int, nbytes: int,
                      topology: model.Topology, itemsize: int = 4) -> Estimate:
     """The best segment count's prediction for ``family`` (see the module docstring)."""
-    count = nbytes // itemsize
-    topology = topology.with_curves()
-    root = 0 if collective in ROOTED else None
-    best = None
-    # beyond FULL_LIMIT, rank 0 stands for all even on part-filled nodes (so nodes are not
-    # passed) and with uneven chunks
-    lockstep = nranks > FULL_LIMIT and model.symmetric(collective, family, nranks)
-    for nsegments in (1,) if lockstep else model.segment_choices(count, nranks, topology):
-        if lockstep:
-            seconds = model.lockstep_seconds(collective, family, nranks, 1, count, topology,
-                                             itemsize)
-        else:
-            seconds = model.seconds(collective, family, nranks, nsegments, root, count,
-                                    topology, itemsize)
-        if best is None or seconds < best[1]:
-            best = (nsegments, seconds)
-    nsegments, seconds = best
-    factor = bus_factor(collective, nranks)
-    busbw = nbytes / seconds / 1e9 * factor if seconds > 0 else 0.0
-    how = "one rank for all" if lockstep else "every rank's play"
-    return Estimate(nranks, nbytes, family, nsegments, seconds, busbw, how)
+    return estimate(collective, family, nranks, nbytes, {
+        nsegments: segment_seconds(collective, family, nranks, nbytes, nsegments, topology,
+                                   itemsize)
+        for nsegments in segment_counts(collective, family, nranks, nbytes, topology, itemsize)})
+
+
+Price = Callable[[str, int, int], Estimate]  # (family, nranks, nbytes) -> its estimate
+
+
+class Pricer:
+    """``predict_at_scale`` for one collective, topology and dtype, called as ``price(family,
+    nranks, nbytes)``; what ``prefetch`` was given is priced ahead by worker processes, one
+    segment count a task, each call then waiting for its own. Playing every rank of a
+    4096-rank tree takes seconds per segment count, minutes for a sweep on one core."""
+
+    def __init__(self, collective: Collective, topology: model.Topology, itemsize: int = 4,
+                 workers: int = 1) -> None:
+        self.collective, self.topology, self.itemsize = collective, topology, itemsize
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+        self._pending: dict[tuple[str, int, int], dict[int, Future]] = {}
+
+    def prefetch(self, keys: list[tuple[str, int, int]]) -> None:
+        """Start pricing each (family, nranks, nbytes), in this order, where workers > 1."""
+        if self.workers < 2:
+            return
+        if self._pool is None:  # spawned: a fork could copy a thread's held lock
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"))
+        for family, nranks, nbytes in keys:
+            if (family, nranks, nbytes) in self._pending:
+                continue
+            args = (self.collective, family, nranks, nbytes)
+            self._pending[(family, nranks, nbytes)] = {
+                nsegments: self._pool.submit(segment_seconds, *args, nsegments, self.topology,
+                                             self.itemsize)
+                for nsegments in segment_counts(*args, self.topology, self.itemsize)}
+
+    def __call__(self, family: str, nranks: int, nbytes: int) -> Estimate:
+        futures = self._pending.get((family, nranks, nbytes))
+        if futures is None:
+            return predict_at_scale(self.collective, family, nranks, nbytes, self.topology,
+                                    self.itemsize)
+        return estimate(self.collective, family, nranks, nbytes,
+                        {nsegments: future.result() for nsegments, future in futures.items()})
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> Pricer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def workers_for(collective: Collective, ranks: list[int], topology: model.Topology) -> int:
+    """Worker processes worth starting for ``pycoll model`` at ``ranks``: one per core where
+    some family plays every rank of more than FULL_LIMIT (seconds a size), else none (a
+    process takes about a second to start)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    slow = any(p > FULL_LIMIT and applies(collective, f, p, topology)
+               and not model.symmetric(collective, f, p)
+               for p in ranks for f in algorithms.families_for(collective))
+    return (cores or 1) if slow else 1
 
 
 def applies(collective: Collective, family: str, nranks: int, topology: model.Topology) -> bool:
@@ -124,63 +208,103 @@ def applies(collective: Collective, family: str, nranks: int, topology: model.To
     return not (algorithms.node_aware(family) and not spans_nodes(topology, nranks))
 
 
-def table(collective: Collective, ranks: list[int], sizes: list[int], topology: model.Topology,
-          families: list[str] | None = None, itemsize: int = 4
-          ) -> list[list[Estimate | None]]:
-    """For every (rank count, size): every family's estimate, None where the family does not
-    apply at that rank count (the columns: families that apply at any of ``ranks``). Sizes
-    are rounded as ``pycoll bench`` rounds them (whole elements; for ReduceScatter, AllGather
-    and AllToAll whole rows per rank), each priced once, none empty."""
+@dataclass(frozen=True)
+class Sweep:
+    """What a table prices: each rank count's sizes, rounded as ``pycoll bench`` rounds them
+    (whole elements; for ReduceScatter, AllGather and AllToAll whole rows per rank), none
+    empty; its columns, the families that apply at any of the rank counts; and which apply
+    at each."""
+
+    collective: Collective
+    sizes: dict[int, list[int]]  # rank count -> its sizes in bytes
+    families: list[str]
+    applying: dict[int, list[bool]]  # rank count -> whether each column's family applies
+
+    def keys(self) -> list[tuple[str, int, int]]:
+        """Every (family, rank count, size) the table prices, row by row."""
+        return [(f, p, nbytes) for p, sizes in self.sizes.items() for nbytes in sizes
+                for f, applying in zip(self.families, self.applying[p]) if applying]
+
+
+def sweep(collective: Collective, ranks: list[int], sizes: list[int], topology: model.Topology,
+          families: list[str] | None = None, itemsize: int = 4) -> Sweep:
     measured = {p: sorted({element_count(collective, itemsize, s, p) * itemsize
                            for s in sizes} - {0}) for p in ranks}
     families = families or [f for f in algorithms.families_for(collective)
                             if any(applies(collective, f, p, topology)
                                    for p in ranks if measured[p])]
-    rows = []
-    for p in ranks:
-        for nbytes in measured[p]:
-            rows.append([predict_at_scale(collective, f, p, nbytes, topology, itemsize)
-                         if applies(collective, f, p, topology) else None for f in families])
-    return rows
+    applying = {p: [applies(collective, f, p, topology) for f in families] for p in ranks}
+    return Sweep(collective, measured, families, applying)
+
+
+def rows(plan: Sweep, price: Price) -> Iterator[list[Estimate | None]]:
+    """For every (rank count, size) of ``plan``: every column's estimate, None where its
+    family does not apply at that rank count; each row as soon as it is priced."""
+    for p, sizes in plan.sizes.items():
+        for nbytes in sizes:
+            yield [price(f, p, nbytes) if applying else None
+                   for f, applying in zip(plan.families, plan.applying[p])]
+
+
+def table(collective: Collective, ranks: list[int], sizes: list[int], topology: model.Topology,
+          families: list[str] | None = None, itemsize: int = 4
+          ) -> list[list[Estimate | None]]:
+    """Every row of ``rows`` (see ``sweep``), priced in this process."""
+    plan = sweep(collective, ranks, sizes, topology, families, itemsize)
+    return list(rows(plan, Pricer(collective, topology, itemsize)))
+
+
+def crossover_sizes(collective: Collective, p: int, low: int, high: int, itemsize: int = 4
+                    ) -> list[int]:
+    """The sizes ``crossover`` compares: from ``low`` by factors of 4 up to ``high``,
+    rounded as bench measures them, none empty."""
+    if low < 1:  # 0 * 4 would scan forever
+        raise ValueError(f"low={low}; allowed: an int >= 1")
+    scanned = []
+    size = low
+    while size <= high:
+        nbytes = element_count(collective, itemsize, size, p) * itemsize
+        if nbytes:
+            scanned.append(nbytes)
+        size *= 4
+    return scanned
 
 
 def crossover(collective: Collective, p: int, topology: model.Topology, a: str, b: str,
-              low: int = 8, high: int = 1 << 32, itemsize: int = 4) -> int | None:
-    """The largest power-of-two size (bytes) at which ``a`` still predicts faster than
-    ``b`` at ``p`` ranks, scanning up from ``low`` (None: ``a`` is never faster)."""
-    if low < 1:  # 0 * 4 would scan forever
-        raise ValueError(f"low={low}; allowed: an int >= 1")
+              low: int = 8, high: int = 1 << 32, itemsize: int = 4,
+              price: Price | None = None) -> int | None:
+    """The largest size (bytes) at which ``a`` still predicts faster than ``b`` at ``p``
+    ranks, of ``crossover_sizes`` (None: ``a`` is never faster)."""
+    price = price or Pricer(collective, topology, itemsize)
     last = None
-    size = low
-    while size <= high:
-        nbytes = element_count(collective, itemsize, size, p) * itemsize  # as bench measures
-        if nbytes:
-            ta = predict_at_scale(collective, a, p, nbytes, topology, itemsize).seconds
-            tb = predict_at_scale(collective, b, p, nbytes, topology, itemsize).seconds
-            if ta < tb * (1 - 1e-9):  # faster, not equal up to rounding (2 ranks: same steps)
-                last = nbytes
-        size *= 4
+    for nbytes in crossover_sizes(collective, p, low, high, itemsize):
+        ta, tb = price(a, p, nbytes).seconds, price(b, p, nbytes).seconds
+        if ta < tb * (1 - 1e-9):  # faster, not equal up to rounding (2 ranks: same steps)
+            last = nbytes
     return last
+
+
+def format_header(collective: Collective, families: list[str], topology: model.Topology
+                  ) -> str:
+    return "\n".join([f"# pycoll model: {collective.value} on {topology.name}",
+                      "| ranks | size | " + " | ".join(f"{name} µs (busbw GB/s)"
+                                                     for name in families) + " | fastest |",
+                      "|---|---|" + "---|" * (len(families) + 1)])
+
+
+def format_row(row: list[Estimate | None]) -> str:
+    """A table row; "—" where a family does not apply at that row's rank count."""
+    priced = [e for e in row if e is not None]
+    fastest = min(priced, key=lambda e: (e.seconds, e.nsegments, e.algorithm))  # as auto
+    cells = ["—" if e is None else f"{e.seconds * 1e6:.1f} ({e.busbw:.1f})"
+             + (f" ×{e.nsegments}" if e.nsegments > 1 else "") for e in row]
+    size = size_text(priced[0].nbytes, flag=False)
+    return f"| {priced[0].nranks} | {size} | " + " | ".join(cells) + f" | {fastest.algorithm} |"
 
 
 def format_table(collective: Collective, rows: list[list[Estimate | None]],
                  topology: model.Topology, families: list[str] | None = None) -> str:
-    """The table; ``families``: the column names (default: read off the rows); "—" where a
-    family does not apply at that row's rank count."""
+    """The table; ``families``: the column names (default: read off the rows)."""
     names = families or [next(r[i] for r in rows if r[i] is not None).algorithm
                          for i in range(len(rows[0]))]
-    lines = [f"# pycoll model: {collective.value} on {topology.name}",
-             "| ranks | size | " + " | ".join(f"{name} µs (busbw GB/s)" for name in names)
-             + " | fastest |",
-             "|---|---|" + "---|" * (len(names) + 1)]
-    for row in rows:
-        priced = [e for e in row if e is not None]
-        fastest = min(priced, key=lambda e: (e.seconds, e.nsegments, e.algorithm))  # as auto
-        cells = ["—" if e is None else f"{e.seconds * 1e6:.1f} ({e.busbw:.1f})"
-                 + (f" ×{e.nsegments}" if e.nsegments > 1 else "") for e in row]
-        size = size_text(priced[0].nbytes, flag=False)
-        lines.append(f"| {priced[0].nranks} | {size} | " + " | ".join(cells)
-                     + f" | {fastest.algorithm} |")
-    return "\n".join(lines)
-
-
+    return "\n".join([format_header(collective, names, topology), *map(format_row, rows)])

@@ -4,6 +4,7 @@ sweeps (their real runs are committed under bench/results/ and docs/scaling.md).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -220,6 +221,34 @@ def test_model_command_prints_every_algorithm_and_the_crossover(capsys):
     assert "| 16 | 1 MiB |" in out and "halving_doubling" in out
     assert "# 16 ranks: tree predicted faster than ring" in out
 
+def test_the_crossover_line_names_the_sizes_it_scanned(capsys):
+    """It named the sweep's flags (8 B to 2 KiB) where the rows were 120 B and 2040 B: sizes
+    are whole rows per rank, as bench measures them."""
+    assert main(["model", "reduce_scatter", "--ranks", "3", "-b", "8", "-e", "4K"]) == 0
+    out = capsys.readouterr().out
+    assert "| 3 | 2040 B |" in out and "at no size from 24 B to 2040 B" in out
+
+
+def test_worker_processes_price_what_this_process_prices():
+    """`pycoll model` at 4096 ranks played every rank of the tree in one process, for minutes
+    with nothing printed; worker processes now price each segment count of each row."""
+    ethernet = scaling.builtin_topologies()["ethernet"]
+    keys = [(f, p, nbytes) for p in (3, 8) for nbytes in (64, 1 << 20)
+            for f in ("ring", "tree", "halving_doubling")]
+    with scaling.Pricer(Collective.ALLREDUCE, ethernet, itemsize=4, workers=2) as price:
+        price.prefetch(keys)
+        assert len(price._pending) == len(keys)  # priced by the workers, not here
+        priced = [price(*key) for key in keys]
+    assert priced == [scaling.predict_at_scale(Collective.ALLREDUCE, *key, ethernet, 4)
+                      for key in keys]
+    assert {e.nsegments for e in priced} != {1}  # the segment counts were compared
+    # workers only where some family plays every rank of more than FULL_LIMIT
+    nvlink_ib = scaling.builtin_topologies()["nvlink-ib"]
+    assert scaling.workers_for(Collective.ALLREDUCE, [8, 64], nvlink_ib) == 1
+    assert scaling.workers_for(Collective.ALLGATHER, [512], nvlink_ib) == 1  # tree left out
+    cores = len(os.sched_getaffinity(0))  # the tree plays all 4096
+    assert scaling.workers_for(Collective.ALLREDUCE, [8, 4096], nvlink_ib) == cores
+
 
 @pytest.mark.parametrize("text,message", [
     ('{"intra": {"alpha": 1e-6}}', "KeyError: 'beta'"),
@@ -231,6 +260,9 @@ def test_model_command_prints_every_algorithm_and_the_crossover(capsys):
     ('{"ports": 3}', "ports=3; allowed: 'single', 'multi'"),  # named no file
     ('{"intra": {"alpha": "1e-6", "beta": 1e-9}}', "intra.alpha='1e-6'; allowed: a number"),
     ('{"name": 5}', "name=5; allowed: a string"),
+    ('{"gamma": Infinity}', "not finite"),  # a table of inf
+    ('{"call": 1e400}', "not finite"),
+    ('{"curves": {"gamma": [[1e400, 1e-10]]}}', "curves['gamma']"),  # an OverflowError
 ])
 def test_a_bad_topology_file_is_named_not_a_traceback(tmp_path, capsys, text, message):
     path = tmp_path / "topology.json"
