@@ -904,6 +904,15 @@ def write_output(write: Callable[[list, str], None], rows: list, path: str, flag
                           ) from None
 
 
+def write_outputs(outputs: list[tuple[Callable[[list, str], None], str | None, str]],
+                  rows: list, at_end: bool) -> None:
+    """Each (write, path, flag) of ``outputs`` that is written now: with every row (a file,
+    ``rewritten``), or once, after the run (``at_end``: '-', a pipe, a device)."""
+    for write, path, flag in outputs:
+        if path is not None and rewritten(path) != at_end:
+            write_output(write, rows, path, flag)
+
+
 class RowStream:
     """``run``'s ``on_row`` for the command line, as nccl-tests prints: the header before the
     first row, each row as it is measured, and the JSON and CSV files rewritten with every
@@ -926,18 +935,14 @@ class RowStream:
             self._print(format_header(self.title, *self.columns))
         self.rows.append(row)
         self._print(format_row(row, *self.columns))
-        for write, path, flag in self._outputs():
-            if rewritten(path):
-                write_output(write, self.rows, path, flag)
+        write_outputs(self._outputs(), self.rows, at_end=False)
 
     def close(self, rows: list[Row]) -> None:
         """After the run: the footer, and what is written once ('-', a pipe, a device)."""
         if not self.rows:
             self._print(format_header(self.title, *self.columns))
         self._print(format_footer(rows))
-        for write, path, flag in self._outputs():
-            if path is not None and not rewritten(path):
-                write_output(write, rows, path, flag)
+        write_outputs(self._outputs(), rows, at_end=True)
 
     def _outputs(self) -> list[tuple[Callable[[list, str], None], str | None, str]]:
         return [(write_json, self.json_path, "--json"), (write_csv, self.csv_path, "--csv")]

@@ -316,12 +316,18 @@ def write_csv(rows: list[KernelRow], path: str) -> None:
                       [_record(r) for r in rows], path)
 
 
+def outputs(json_path: str | None, csv_path: str | None
+            ) -> list[tuple[Callable[[list, str], None], str | None, str]]:
+    """The (write, path, flag) of each output, for ``bench.write_outputs``."""
+    return [(write_json, json_path, "--json"), (write_csv, csv_path, "--csv")]
+
+
 def stream_rows(json_path: str | None = None, csv_path: str | None = None,
                 out: TextIO | None = None) -> Callable[[KernelRow], None]:
     """An ``on_row`` for ``run``: prints each row to ``out`` (default: stdout; the header
     first) and rewrites the JSON and CSV files with every row so far, so a killed run keeps
     them (not '-', stdout, a pipe or a device: written once, at the end, by the caller)."""
-    from pycoll.bench import rewritten, write_output
+    from pycoll.bench import write_outputs
 
     rows: list[KernelRow] = []
 
@@ -331,9 +337,6 @@ def stream_rows(json_path: str | None = None, csv_path: str | None = None,
             print(TABLE_HEADER, file=stream, flush=True)
         rows.append(row)
         print(format_row(row), file=stream, flush=True)
-        if rewritten(json_path):
-            write_output(write_json, rows, json_path, "--json")
-        if rewritten(csv_path):
-            write_output(write_csv, rows, csv_path, "--csv")
+        write_outputs(outputs(json_path, csv_path), rows, at_end=False)
 
     return on_row

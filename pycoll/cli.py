@@ -352,18 +352,22 @@ def _writable(path: str | None, flag: str, makes_folders: bool = False,
         raise ValueError(f"{flag} {path}: cannot write a file there")
 
 
-def _outputs(json_path: str | None, csv_path: str | None) -> None:
-    """Refuse --json and --csv paths that cannot be written, or name one file (also by
-    another name: ./x and x, a link, /dev/stdout and -); pass them through
-    ``bench.destination`` first."""
+def _outputs(json_path: str | None, csv_path: str | None) -> tuple[str | None, str | None]:
+    """--json's and --csv's paths as ``bench.destination`` reads them (/dev/stdout is -);
+    refused where they cannot be written, or name one file (also by another name: ./x and x,
+    a link, /dev/stdout and -)."""
+    from pycoll import bench
+
+    json_path, csv_path = bench.destination(json_path), bench.destination(csv_path)
     _writable(json_path, "--json")
     _writable(csv_path, "--csv")
     if json_path is None or csv_path is None:
-        return
+        return json_path, csv_path
     if (json_path == csv_path if "-" in (json_path, csv_path)
             else os.path.realpath(json_path) == os.path.realpath(csv_path)):  # one overwrites
         raise ValueError(f"--json {json_path} --csv {csv_path}: the same destination; "
                          "allowed: different files, or - for one of them")
+    return json_path, csv_path
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -406,8 +410,7 @@ def _bench(args: argparse.Namespace) -> int:
         # every pair, before any is measured
         bench.check_sweeps(runs, _nranks(args.ranks), here, _available_memory())
         model.load_tuning()  # unreadable: said here, once, not by the first collective
-        args.json, args.csv = bench.destination(args.json), bench.destination(args.csv)
-        _outputs(args.json, args.csv)
+        args.json, args.csv = _outputs(args.json, args.csv)
         if args.ranks is not None and args.against:
             raise ValueError("--against mpi needs MPI ranks: run under mpiexec, not --ranks")
     except (ValueError, TypeError, RuntimeError) as error:
@@ -687,8 +690,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
                     f"{flag}={getattr(args, name)!r} does not apply to kernels (one process, "
                     "the GPU's kernels alone); allowed: -b -e -f -n -w -d -o --backend --json "
                     "--csv")
-        args.json, args.csv = bench.destination(args.json), bench.destination(args.csv)
-        _outputs(args.json, args.csv)
+        args.json, args.csv = _outputs(args.json, args.csv)
         sizes = bench.sizes(bench.parse_size(args.min_bytes, "--min-bytes"),
                             bench.parse_size(args.max_bytes, "--max-bytes"), args.step_factor)
         dtypes = bench.listed(args.dtype, "--dtype", bench.gpu_dtypes(), bench.dtype_name)
@@ -703,11 +705,8 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, RuntimeError) as error:
         print(f"pycoll bench kernels: {error}", file=sys.stderr)
         return 2
-    try:  # what is written once: '-', a pipe, a device
-        for write, path, flag in ((bench_kernels.write_json, args.json, "--json"),
-                                  (bench_kernels.write_csv, args.csv, "--csv")):
-            if path is not None and not bench.rewritten(path):
-                bench.write_output(write, rows, path, flag)
+    try:
+        bench.write_outputs(bench_kernels.outputs(args.json, args.csv), rows, at_end=True)
     except bench.OutputError as error:
         print(f"pycoll bench kernels: {error}", file=sys.stderr)
         return 2

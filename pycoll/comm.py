@@ -69,20 +69,18 @@ class Communicator:
             # an intercommunicator's allgather joins the other group: making one would hang
             raise TypeError(f"mpi_comm={mpi_comm!r} is invalid; allowed: an mpi4py "
                             "intracommunicator (MPI.Intracomm, not COMM_NULL)")
-        if parent.Get_size() > 1:  # one rank on shared memory and one not would wait forever
-            # a rank's bad setting goes round as its text: caught there, its peers would
-            # otherwise wait in this allgather for a rank that never comes
-            tables = parent.allgather(str(bad_setting) if bad_setting else shared_settings())
-            if bad_setting is not None:
-                raise bad_setting
-            bad = [(r, said) for r, said in enumerate(tables) if isinstance(said, str)]
-            if bad:
-                raise ValueError("; ".join(f"rank {r}: {said}" for r, said in bad))
-            differ = settings_disagreement(tables)
-            if differ is not None:
-                raise ValueError(differ)
-        elif bad_setting is not None:
+        # one rank on shared memory and one not would wait forever; a rank's bad setting goes
+        # round as its text: caught there, its peers would wait here for a rank never coming
+        tables = (parent.allgather(str(bad_setting) if bad_setting else shared_settings())
+                  if parent.Get_size() > 1 else [])
+        if bad_setting is not None:
             raise bad_setting
+        bad = [(r, said) for r, said in enumerate(tables) if isinstance(said, str)]
+        if bad:
+            raise ValueError("; ".join(f"rank {r}: {said}" for r, said in bad))
+        differ = settings_disagreement(tables) if tables else None
+        if differ is not None:
+            raise ValueError(differ)
         self.mpi_comm = parent
         self._owns_mpi_comm = False
         self._attach(MPITransport(parent.Dup()), MPITransport(parent.Dup()))

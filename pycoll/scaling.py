@@ -87,12 +87,17 @@ class Estimate:
     how: str
 
 
+def _lockstep(collective: Collective, family: str, nranks: int) -> bool:
+    """Rank 0 stands for all, at every size (beyond FULL_LIMIT, a symmetric family)."""
+    return nranks > FULL_LIMIT and model.symmetric(collective, family, nranks)
+
+
 def segment_counts(collective: Collective, family: str, nranks: int, nbytes: int,
                    topology: model.Topology, itemsize: int = 4) -> tuple[int, ...]:
     """The segment counts priced for ``family`` at this size: 1 where rank 0 stands for all
     (beyond FULL_LIMIT, even on part-filled nodes and with uneven chunks), else the model's
     choices."""
-    if nranks > FULL_LIMIT and model.symmetric(collective, family, nranks):
+    if _lockstep(collective, family, nranks):
         return (1,)
     return model.segment_choices(nbytes // itemsize, nranks, topology)
 
@@ -103,7 +108,7 @@ def segment_seconds(collective: Collective, family: str, nranks: int, nbytes: in
     """The predicted time of ``family`` cut into ``nsegments`` (see the module docstring)."""
     count = nbytes // itemsize
     topology = topology.with_curves()
-    if nranks > FULL_LIMIT and model.symmetric(collective, family, nranks):
+    if _lockstep(collective, family, nranks):
         return model.lockstep_seconds(collective, family, nranks, nsegments, count, topology,
                                       itemsize)
     root = 0 if collective in ROOTED else None
@@ -117,8 +122,7 @@ def estimate(collective: Collective, family: str, nranks: int, nbytes: int,
     nsegments, seconds = min(seconds_by_segments.items(), key=lambda pair: (pair[1], pair[0]))
     factor = bus_factor(collective, nranks)
     busbw = nbytes / seconds / 1e9 * factor if seconds > 0 else 0.0
-    lockstep = nranks > FULL_LIMIT and model.symmetric(collective, family, nranks)
-    how = "one rank for all" if lockstep else "every rank's play"
+    how = "one rank for all" if _lockstep(collective, family, nranks) else "every rank's play"
     return Estimate(nranks, nbytes, family, nsegments, seconds, busbw, how)
 
 
