@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from pycoll.bindings.transport import SAME_CALL, ChannelsCrossed, WaitTimeout
-from pycoll.settings import switch
+from pycoll.settings import switch, whole_number
 
 LINE = 64  # bytes of a cache line; every header and payload starts on one
 _WORDS = LINE // 8
@@ -62,15 +62,9 @@ _NEVER = float("inf")  # no deadline (float("inf") costs a call, on every small 
 
 
 def _env_bytes(name: str, default: int) -> int:
-    text = os.environ.get(name, "").strip()  # as every setting's spaces
-    if not text:
-        return default
-    # isdigit() takes '²'; past MAX_ENV_BYTES numpy raised a bare MemoryError, or the node
-    # ran out of shared memory
-    if not (text.isascii() and text.isdigit()) or not 4 * MIN_PIECE <= int(text) <= MAX_ENV_BYTES:
-        raise ValueError(f"{name}={text!r} is invalid; allowed: an int in "
-                         f"{4 * MIN_PIECE}..{MAX_ENV_BYTES} (bytes)")
-    return int(text) // LINE * LINE
+    # past MAX_ENV_BYTES numpy raised a bare MemoryError, or the node ran out of shared memory
+    value = whole_number(name, 4 * MIN_PIECE, MAX_ENV_BYTES, "bytes")
+    return default if value is None else value // LINE * LINE
 
 
 class MpiSegments:

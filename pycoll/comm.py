@@ -30,6 +30,7 @@ from pycoll.bindings.mpi import (
 )
 from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
 from pycoll.bindings.transport import CollectiveTimeout, Transport, WaitTimeout
+from pycoll.settings import whole_number
 from pycoll.traffic import Traffic
 
 _TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the MPI standard allows
@@ -751,7 +752,7 @@ def shared_settings() -> dict[str, Any]:
         # PYCOLL_FORWARD as api._forwarding reads it (which tests replace)
         "PYCOLL_FORWARD": bool(switch("PYCOLL_FORWARD", True)),
         "PYCOLL_CUDA_AWARE_MPI": staged.forced_cuda_awareness(),
-        "PYCOLL_ALGO": os.environ.get(select.ALGO_ENV, "").strip() or "unset",
+        "PYCOLL_ALGO": _forced_families(),
         "PYCOLL_SEGMENTS": select.FORCED_SEGMENTS or "unset",
         "PYCOLL_HOST_TRANSPORT": _host_transport_mode(),
         "PYCOLL_DEVICE_TRANSPORT": _device_transport_mode(),
@@ -761,6 +762,19 @@ def shared_settings() -> dict[str, Any]:
         "PYCOLL_SHM_RING_BYTES": shm.ring_bytes_from_env(),
         "PYCOLL_SHM_ONE_SHOT_BYTES": shm.small_bytes_from_env(),
     }
+
+
+def _forced_families() -> str:
+    """What ``PYCOLL_ALGO`` forces, per collective with a choice, in one order:
+    "tree,allreduce:ring" and "allreduce:ring, tree" mean the same and must agree."""
+    from pycoll.algorithms import families_for
+    from pycoll.schedule import Collective
+
+    forced = {c.value: select.forced_algorithm(c) for c in Collective
+              if len(families_for(c)) > 1}
+    if len(set(forced.values())) == 1:  # one family for all, or none
+        return next(iter(forced.values())) or "unset"
+    return ",".join(f"{name}:{family}" for name, family in forced.items() if family)
 
 
 def settings_disagreement(tables: list[dict[str, Any]]) -> str | None:
@@ -822,12 +836,8 @@ def _device_transport_mode() -> str:
 
 
 def _ranks_per_node(size: int) -> int:
-    text = os.environ.get("PYCOLL_RANKS_PER_NODE", "").strip()  # as every setting's spaces
-    if not text:
-        return size
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # isdigit() takes '²'
-        raise ValueError(f"PYCOLL_RANKS_PER_NODE={text!r} is invalid; allowed: an int >= 1")
-    return int(text)
+    value = whole_number("PYCOLL_RANKS_PER_NODE", 1)
+    return size if value is None else value
 
 
 def _route(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pycoll import agree, model
 from pycoll.algorithms import FAMILIES, families_for, node_aware
 from pycoll.schedule import ROOTED, Collective
-from pycoll.settings import switch
+from pycoll.settings import switch, whole_number
 
 ALGO_ENV = "PYCOLL_ALGO"
 
@@ -31,17 +31,7 @@ MAX_SEGMENTS = 1024  # PYCOLL_SEGMENTS's: 10**8 took 32 s to plan a 4000-element
 
 
 def _segments_from_env() -> int | None:
-    text = os.environ.get("PYCOLL_SEGMENTS", "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text) if text.isascii() else 0  # int() reads '²' and '٣' too
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_SEGMENTS:
-        raise ValueError(f"PYCOLL_SEGMENTS={text!r} is invalid; allowed: an int in "
-                         f"1..{MAX_SEGMENTS}, or unset")
-    return value
+    return whole_number("PYCOLL_SEGMENTS", 1, MAX_SEGMENTS)
 
 
 def _settings_from_env() -> tuple[int | None, bool, str | None]:

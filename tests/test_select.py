@@ -182,6 +182,31 @@ def test_the_estimate_between_powers_of_two_matches_an_exact_play():
             assert fast == pytest.approx(exact, rel=1e-2)
 
 
+@pytest.mark.parametrize("name, good", [
+    ("PYCOLL_SEGMENTS", 3), ("PYCOLL_SHM_RING_BYTES", 16384),
+    ("PYCOLL_SHM_ONE_SHOT_BYTES", 16384), ("PYCOLL_RANKS_PER_NODE", 3),
+])
+def test_every_integer_setting_reads_alike(monkeypatch, name, good):
+    """PYCOLL_SEGMENTS=+3 was taken and PYCOLL_SHM_RING_BYTES=+16384 refused: each setting
+    had its own reader."""
+    from pycoll import comm
+    from pycoll.bindings import shm
+
+    readers = {
+        "PYCOLL_SEGMENTS": select._segments_from_env,
+        "PYCOLL_SHM_RING_BYTES": shm.ring_bytes_from_env,
+        "PYCOLL_SHM_ONE_SHOT_BYTES": shm.small_bytes_from_env,
+        "PYCOLL_RANKS_PER_NODE": lambda: comm._ranks_per_node(99),
+    }
+    for text in (str(good), f" +{good} ", f"{good:_}"):
+        monkeypatch.setenv(name, text)
+        assert readers[name]() == good, text
+    for text in ("x", "-1", "0", "3.0", "\u0663", "\u00b2"):
+        monkeypatch.setenv(name, text)
+        with pytest.raises(ValueError, match=f"^{name}={text!r} is invalid; allowed: an int "):
+            readers[name]()
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "x", "1025", "99999999", "\u0663"])
 def test_a_segment_count_out_of_range_is_refused(monkeypatch, value):
     """PYCOLL_SEGMENTS=-1 gave the ring an empty schedule (AllReduce returned zeros), 0 a
@@ -285,3 +310,24 @@ def test_a_new_small_size_reuses_the_plays_around_it():
             schedule = pycoll.algorithms.build(family, Collective.ALLREDUCE, 8, 16)
             exact = model.play(model.programs(schedule, count), topology, 8).seconds
             assert fast == pytest.approx(exact, rel=1e-2), (family, count)
+
+
+def test_algo_settings_that_mean_the_same_agree_between_ranks(monkeypatch):
+    """Ranks with PYCOLL_ALGO="tree,allreduce:ring" and "allreduce:ring, tree" force the
+    same families, yet making their communicator was refused: the text was compared."""
+    from pycoll import comm
+
+    tables = []
+    for text in ("tree,allreduce:ring", " allreduce:ring , tree",
+                 "allreduce:ring,reduce_scatter:tree,allgather:tree,broadcast:tree,reduce:tree"):
+        monkeypatch.setenv("PYCOLL_ALGO", text)
+        tables.append(comm.shared_settings())
+    assert comm.settings_disagreement(tables) is None
+    monkeypatch.setenv("PYCOLL_ALGO", "alltoall:direct")  # its only family: as unset
+    unset = comm.shared_settings()
+    monkeypatch.delenv("PYCOLL_ALGO")
+    assert comm.settings_disagreement([unset, comm.shared_settings()]) is None
+    assert comm.settings_disagreement([tables[0], unset]) == (
+        "the ranks' settings differ: PYCOLL_ALGO 'allreduce:ring,reduce_scatter:tree,"
+        "allgather:tree,broadcast:tree,reduce:tree' on rank 0, 'unset' on rank 1; allowed: "
+        "the same on every rank (they decide which messages each sends)")
