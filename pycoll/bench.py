@@ -946,3 +946,19 @@ class RowStream:
 
     def _outputs(self) -> list[tuple[Callable[[list, str], None], str | None, str]]:
         return [(write_json, self.json_path, "--json"), (write_csv, self.csv_path, "--csv")]
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give (Linux's MemAvailable: free, and caches
+    it can drop), else its free pages; None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

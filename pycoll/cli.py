@@ -245,19 +245,9 @@ def _ranks_here(ranks: int | None) -> int:
 
 
 def _available_memory() -> int | None:
-    """Bytes of memory this machine can still give (Linux's MemAvailable: free, and caches
-    it can drop), else its free pages; None where neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    from pycoll import bench
+
+    return bench.available_memory()
 
 
 def _mpi_world():
@@ -660,6 +650,10 @@ def _tune(args: argparse.Namespace) -> int:
         _writable(args.output if named else str(model.tuning_path()),
                   "--output" if named else f"the tuning file (${model.TUNING_ENV}, else the "
                   "cache folder)", makes_folders=True, stdout=False)
+        target = Path(args.output) if named else model.tuning_path()
+        if model.holds_one_topology(target):  # it was replaced, the topology lost
+            raise ValueError(f"{'--output' if named else model.TUNING_ENV} {target} "
+                             f"{model.HOLDS_ONE_TOPOLOGY}; allowed: a tuning file, or a new path")
     except (ValueError, OSError) as error:
         bad = error
     else:

@@ -528,8 +528,14 @@ def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
     path = tuning_path() if path is None else path
     if not path.exists():
         return {}
+    if path.is_dir():  # `pycoll tune` could not rewrite it either
+        raise ValueError(f"tuning file {path} is a folder; allowed: a file's path "
+                         f"({TUNING_ENV} names the file itself, as tuning.json)")
     try:
         data = json.loads(path.read_text())
+        if _one_topology(data):
+            raise ValueError(f"tuning file {path} {HOLDS_ONE_TOPOLOGY}; allowed: a file "
+                             "`pycoll tune` wrote, or a path where it will write one")
         # one entry: not a list ("abc" was read as three entries, 'a', 'b' and 'c')
         kinds = {kind: entries if isinstance(entries, list) else [entries]
                  for kind, entries in data["transports"].items()}
@@ -553,6 +559,22 @@ def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
                for e in entries]
         for kind, entries in kinds.items()
     }
+
+
+HOLDS_ONE_TOPOLOGY = ("holds one topology (as `pycoll model --topology` reads), not the "
+                      "costs `pycoll tune` writes")
+
+
+def _one_topology(data: object) -> bool:
+    return isinstance(data, dict) and "transports" not in data and "intra" in data
+
+
+def holds_one_topology(path: Path) -> bool:
+    """Whether ``path`` is a topology's JSON (which `pycoll tune` must not replace)."""
+    try:
+        return path.is_file() and _one_topology(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
 
 
 def _nranks_of(entry: object) -> object:

@@ -27,7 +27,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from pycoll import algorithms, model
-from pycoll.bench import bus_factor, element_count, size_text
+from pycoll.bench import available_memory, bus_factor, element_count, size_text
 from pycoll.schedule import ROOTED, Collective
 from pycoll.select import spans_nodes
 
@@ -187,15 +187,24 @@ class Pricer:
         self.close()
 
 
+# A worker's peak while it plays the 4096-rank tree (about 430 MB measured), rounded up
+WORKER_BYTES = 512 * 2**20
+
+
 def workers_for(collective: Collective, ranks: list[int], topology: model.Topology) -> int:
     """Worker processes worth starting for ``pycoll model`` at ``ranks``: one per core where
-    some family plays every rank of more than FULL_LIMIT (seconds a size), else none (a
-    process takes about a second to start)."""
+    some family plays every rank of more than FULL_LIMIT (seconds a size), as many as the
+    free memory holds at WORKER_BYTES each; else none (a process takes about a second to
+    start)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     slow = any(p > FULL_LIMIT and applies(collective, f, p, topology)
                and not model.symmetric(collective, f, p)
                for p in ranks for f in algorithms.families_for(collective))
-    return (cores or 1) if slow else 1
+    if not slow:
+        return 1
+    memory = available_memory()
+    fits = (cores or 1) if memory is None else memory // WORKER_BYTES
+    return max(1, min(cores or 1, fits))
 
 
 def applies(collective: Collective, family: str, nranks: int, topology: model.Topology) -> bool:

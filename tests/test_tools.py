@@ -229,7 +229,7 @@ def test_the_crossover_line_names_the_sizes_it_scanned(capsys):
     assert "| 3 | 2040 B |" in out and "at no size from 24 B to 2040 B" in out
 
 
-def test_worker_processes_price_what_this_process_prices():
+def test_worker_processes_price_what_this_process_prices(monkeypatch):
     """`pycoll model` at 4096 ranks played every rank of the tree in one process, for minutes
     with nothing printed; worker processes now price each segment count of each row."""
     ethernet = scaling.builtin_topologies()["ethernet"]
@@ -247,7 +247,15 @@ def test_worker_processes_price_what_this_process_prices():
     assert scaling.workers_for(Collective.ALLREDUCE, [8, 64], nvlink_ib) == 1
     assert scaling.workers_for(Collective.ALLGATHER, [512], nvlink_ib) == 1  # tree left out
     cores = len(os.sched_getaffinity(0))  # the tree plays all 4096
-    assert scaling.workers_for(Collective.ALLREDUCE, [8, 4096], nvlink_ib) == cores
+    free = scaling.available_memory()
+    assert free is None or free > 0
+    monkeypatch.setattr(scaling, "available_memory", lambda: 64 * scaling.WORKER_BYTES)
+    assert scaling.workers_for(Collective.ALLREDUCE, [8, 4096], nvlink_ib) == min(cores, 64)
+    # as many as the free memory holds (one per core took ~430 MB each), at least one
+    monkeypatch.setattr(scaling, "available_memory", lambda: 3 * scaling.WORKER_BYTES + 1)
+    assert scaling.workers_for(Collective.ALLREDUCE, [4096], nvlink_ib) == min(cores, 3)
+    monkeypatch.setattr(scaling, "available_memory", lambda: scaling.WORKER_BYTES - 1)
+    assert scaling.workers_for(Collective.ALLREDUCE, [4096], nvlink_ib) == 1
 
 
 @pytest.mark.parametrize("text,message", [
@@ -393,6 +401,32 @@ def test_the_tune_command_rewrites_an_unreadable_default_file(tmp_path, capsys, 
     assert main(["tune", "--repeats", "1"]) == 2
     assert (f"the tuning file ($PYCOLL_TUNING, else the cache folder) {tmp_path}: cannot "
             "write a file there") in capsys.readouterr().err
+
+
+def test_a_tuning_path_that_names_a_folder_or_a_topology_says_so(tmp_path, capsys, monkeypatch):
+    """PYCOLL_TUNING naming a folder said "unreadable (IsADirectoryError...); run `pycoll tune`
+    to rewrite it", which cannot; naming a topology's JSON said "KeyError('transports')", and
+    `pycoll tune` then replaced the topology with its costs."""
+    topology_file = tmp_path / "ethernet.json"
+    topology_file.write_text(json.dumps(scaling.builtin_topologies()["ethernet"].to_json()))
+    kept = topology_file.read_text()
+    with pytest.raises(ValueError, match=f"^tuning file {tmp_path} is a folder; allowed: a "
+                                         "file's path"):
+        model.load_tuning(tmp_path)
+    with pytest.raises(ValueError, match=f"^tuning file {topology_file} holds one topology "
+                                         r"\(as `pycoll model --topology` reads\)"):
+        model.load_tuning(topology_file)
+    monkeypatch.setattr(tune, "tune", lambda *args, **kwargs: pytest.fail("measured"))
+    assert main(["tune", "--repeats", "1", "--output", str(topology_file)]) == 2
+    monkeypatch.setenv("PYCOLL_TUNING", str(topology_file))
+    assert main(["tune", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    for name in ("--output", "PYCOLL_TUNING"):
+        assert (f"pycoll tune: {name} {topology_file} holds one topology (as `pycoll model "
+                "--topology` reads), not the costs `pycoll tune` writes; allowed: a tuning "
+                "file, or a new path") in err, err
+    assert topology_file.read_text() == kept
+    assert scaling.topology_named(str(topology_file)).name.startswith("ethernet")
 
 
 @pytest.mark.parametrize("args,says", [
