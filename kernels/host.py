@@ -241,7 +241,9 @@ def _complex_product(reduce: Callable[..., None]) -> Callable[..., None]:
 
     def product(dst: np.ndarray, src: np.ndarray, first: np.ndarray | None = None) -> None:
         if dst.size == 1:
-            dst[...] = np.multiply(dst if first is None else first, src)
+            product = np.empty_like(dst)
+            reduce(product, src, dst if first is None else first)  # inf, never an error
+            dst[...] = product
         else:
             reduce(dst, src, first)
 

@@ -758,7 +758,8 @@ def plan(
         raise ValueError(f"plan: collective={collective!r} is unknown; allowed: {', '.join(valid)}")
     if not is_int(nbytes) or nbytes < 0:
         raise ValueError(f"plan: nbytes={nbytes!r} is invalid; allowed: an int >= 0")
-    dtype = check_dtype(dtype)
+    dtype = _named_dtype(dtype, "plan")
+    _algorithm(algorithm, kind, "plan")
     if nbytes % dtype.itemsize:  # a call moves whole elements: 5 bytes of float32 was planned
         raise ValueError(f"plan: nbytes={nbytes!r} is no whole number of {dtype.name} elements; "
                          f"allowed: a multiple of {dtype.itemsize}")
@@ -809,7 +810,7 @@ def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,
     rank's node (one rank, or ``PYCOLL_HOST_TRANSPORT=mpi``), it is a plain ``numpy.empty``.
     """
     comm = _comm(comm)
-    dtype = check_dtype(dtype)
+    dtype = _named_dtype(dtype, "empty")
     try:
         dims = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
     except TypeError:  # 2.5, None: not a sequence either
@@ -825,6 +826,14 @@ def empty(shape: int | tuple[int, ...], dtype: Any = np.float64, *,
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _named_dtype(dtype: Any, call: str) -> np.dtype:
+    """``check_dtype``, its error naming ``call``."""
+    try:
+        return check_dtype(dtype)
+    except TypeError as error:
+        raise TypeError(f"{call}: {error}") from None
 
 
 def _async(async_op: Any, what: str) -> bool:

@@ -369,6 +369,8 @@ def test_the_reliability_doc_tables_every_bad_call():
     (lambda: pycoll.empty(2.5), ValueError,
      r"empty: shape=2.5 is invalid; allowed: an int >= 0 or a tuple of them"),
     (lambda: pycoll.empty(None), ValueError, r"empty: shape=None is invalid"),
+    (lambda: pycoll.empty(3, "bool"), TypeError,  # it named no call
+     r"^empty: dtype='bool' is not supported; allowed: int8, "),
 ])
 @pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 def test_arrays_and_arguments_that_only_look_right_are_named(call, kind, message):

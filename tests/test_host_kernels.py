@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import pycoll
 from pycoll import kernels, oracle
 
 # Bound from the package so the test exercises the public re-exports.
@@ -506,3 +507,25 @@ def test_the_fast_bfloat16_reducer_is_silent_on_nan() -> None:
         warnings.simplefilter("error")
         kernels.reducer(ReduceOp.MIN, BF16)(m, np.array([1.0, np.nan], dtype=BF16))
     assert np.isnan(m.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dt", [np.complex64, np.complex128], ids=str)
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_complex_product_overflows_to_inf_on_one_element_too(dt: type, size: int) -> None:
+    """Complex prod on a one-element block (its own path) raised FloatingPointError under
+    np.errstate(over="raise") where longer blocks gave inf: the ranks whose pieces had one
+    element failed and the others were left waiting (PeerFailed; under MPI the job ended)."""
+    big = float(np.finfo(dt).max) / 2
+    for strict in (lambda: np.errstate(over="raise", invalid="raise"), warnings.catch_warnings):
+        with strict():
+            warnings.simplefilter("error")
+            a = np.full(size, big + 0j, dtype=dt)
+            kernels.reducer(ReduceOp.PROD, np.dtype(dt))(a, np.full(size, big + 0j, dtype=dt))
+            assert np.isinf(a.real).all(), a
+
+    def step() -> np.ndarray:
+        with np.errstate(over="raise"):
+            return pycoll.allreduce(np.full(size, big + 0j, dtype=dt), "prod")
+
+    for result in pycoll.run_local(2, step):
+        assert np.isinf(result.real).all(), result

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -170,6 +171,17 @@ def test_plan_rejects_bad_arguments(args, message):
     kwargs = {"broadcast": {"root": 9}, "reduce": {"device": "no"}}.get(args[0], {})
     with pytest.raises(ValueError, match=message):
         plan_on(2, *args, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,kind,message", [
+    ({"dtype": "bool"}, TypeError, "plan: dtype='bool' is not supported; allowed: int8, "),
+    ({"algorithm": "bogus"}, ValueError, "plan: algorithm='bogus' is not an algorithm family"),
+    ({"algorithm": None}, TypeError, "plan: algorithm=None is not a name; allowed: 'auto' or "),
+])
+def test_plan_names_itself_in_its_dtype_and_algorithm_errors(kwargs, kind, message):
+    """These said neither "plan:" nor, for algorithm=None, the TypeError a call raises."""
+    with pytest.raises(kind, match=f"^{re.escape(message)}"):
+        plan_on(2, "allreduce", 64, **kwargs)
 
 
 def test_the_estimate_between_powers_of_two_matches_an_exact_play():
