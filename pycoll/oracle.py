@@ -13,7 +13,8 @@ imaginary parts separately.
 
 Algorithms may combine ranks in other orders, so with rounding floats they can
 differ in the last bits; with integer-valued inputs whose partial sums are
-exactly representable every algorithm's result is exactly equal to this oracle.
+exactly representable every algorithm's result is exactly equal to this oracle
+(as values: min/max of 0.0 and -0.0 may give either zero, by the order).
 """
 
 from __future__ import annotations
