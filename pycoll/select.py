@@ -201,10 +201,13 @@ def rank_candidates(
     for family in families or families_for(collective):
         if families is None and node_aware(family) and not spans_nodes(topology, nranks):
             continue  # on one node it is a flat ring or tree under another name
+        priced = set()
         for nsegments in segments or model.segment_choices(count, nranks, topology):
             seconds = estimate(collective, family, nranks, nsegments, root, topology, itemsize,
                                count)
-            out.append(model.Candidate(family, nsegments, seconds))
+            if seconds not in priced:  # segments that change nothing (a family that does not
+                out.append(model.Candidate(family, nsegments, seconds))  # pipeline): listed once
+            priced.add(seconds)
     if not out:
         raise ValueError(f"no algorithm serves {collective.value}")
     return sorted(out, key=lambda c: (c.seconds, c.nsegments, c.algorithm))

@@ -343,3 +343,15 @@ def test_algo_settings_that_mean_the_same_agree_between_ranks(monkeypatch):
         "the ranks' settings differ: PYCOLL_ALGO 'allreduce:ring,reduce_scatter:tree,"
         "allgather:tree,broadcast:tree,reduce:tree' on rank 0, 'unset' on rank 1; allowed: "
         "the same on every rank (they decide which messages each sends)")
+
+
+def test_a_plan_lists_each_family_once_per_distinct_time(monkeypatch):
+    """Families whose segments do not pipeline (halving_doubling, direct, two_shot, the
+    hierarchical ones) were listed once per segment count, every one at the same time."""
+    monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", "2")
+    plan = plan_on(4, "allreduce", 64 << 20)
+    times = [(c.algorithm, c.seconds) for c in plan.candidates]
+    assert len(times) == len(set(times)), times
+    assert {c.algorithm for c in plan.candidates} >= {"hierarchical", "halving_doubling"}
+    assert [c.nsegments for c in plan.candidates if c.algorithm == "halving_doubling"] == [1]
+    assert len([c for c in plan.candidates if c.algorithm == "ring"]) > 1  # it pipelines
