@@ -55,9 +55,7 @@ def signature(
     """What every rank must agree on, in the order of :data:`FIELDS`; None for what does not
     apply (or may differ). ``row``: the shape of a row (``x.shape[1:]``) where counts are in
     rows: two ranks' rows of 2 and of 3 elements would be read in each other's shape."""
-    if counts is not None and len(counts) > _COUNTS_SHOWN:
-        data = np.asarray(counts, np.int64).tobytes()
-        counts = f"{len(counts)} counts, crc32 {zlib.crc32(data):08x}"
+    counts = counts_field(counts)
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)
@@ -78,13 +76,40 @@ def agree(comm: Any, values: tuple) -> None:
     table = _exchange(comm, sums).reshape(comm.size, sums.size)
     if (table == table[0]).all():
         return
-    fields = dict(zip(FIELDS, values))
+    mine = pack(dict(zip(FIELDS, values)))
+    rows = [unpack(row) for row in _exchange(comm, mine).reshape(comm.size, SIGNATURE_BYTES)]
+    raise CollectiveMismatch(describe(rows, differing(rows, FIELDS) or list(FIELDS), comm.rank))
+
+
+def pack(fields: dict) -> np.ndarray:
+    """``fields`` (JSON values) as SIGNATURE_BYTES bytes, to travel as raw bytes."""
     body = json.dumps(fields, sort_keys=True).encode()
-    mine = np.zeros(SIGNATURE_BYTES, np.uint8)
-    mine[: len(body)] = np.frombuffer(body[:SIGNATURE_BYTES], np.uint8)
-    rows = [_parse(row) for row in _exchange(comm, mine).reshape(comm.size, SIGNATURE_BYTES)]
-    differing = [name for name in FIELDS if len({_key(row.get(name)) for row in rows}) > 1]
-    raise CollectiveMismatch(describe(rows, differing or list(FIELDS), comm.rank))
+    row = np.zeros(SIGNATURE_BYTES, np.uint8)
+    row[: len(body)] = np.frombuffer(body[:SIGNATURE_BYTES], np.uint8)
+    return row
+
+
+def unpack(row: np.ndarray) -> dict:
+    """What :func:`pack` packed (a field that does not parse: "unreadable signature")."""
+    text = bytes(row).rstrip(b"\0")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"collective": "unreadable signature"}
+
+
+def differing(rows: list[dict], names: tuple[str, ...]) -> list[str]:
+    """The fields of ``names`` whose value is not the same in every rank's row."""
+    return [name for name in names if len({_key(row.get(name)) for row in rows}) > 1]
+
+
+def counts_field(counts: Any) -> Any:
+    """``counts`` as a signature holds them: up to _COUNTS_SHOWN as they are, longer ones as
+    a checksum."""
+    if counts is not None and len(counts) > _COUNTS_SHOWN:
+        data = np.asarray(counts, np.int64).tobytes()
+        return f"{len(counts)} counts, crc32 {zlib.crc32(data):08x}"
+    return counts
 
 
 def _exchange(comm: Any, mine: np.ndarray) -> np.ndarray:
@@ -101,26 +126,23 @@ def _exchange(comm: Any, mine: np.ndarray) -> np.ndarray:
         comm.agreeing = False
 
 
-def describe(rows: list[dict], differing: list[str], rank: int) -> str:
+def describe(rows: list[dict], names: list[str], rank: int) -> str:
     """The error text: each differing field, with the ranks that hold each value."""
-    parts = []
-    for name in differing:
-        holders: dict[str, list[int]] = {}
-        for r, row in enumerate(rows):
-            holders.setdefault(_key(row.get(name)), []).append(r)
-        values = "; ".join(f"{value} on {_ranks(ranks)}" for value, ranks in holders.items())
-        parts.append(f"{name}: {values}")
     mine = rows[rank]
     return (f"rank {rank}: the ranks disagree on collective #{mine.get('sequence')} "
-            f"({mine.get('collective')} here): " + " | ".join(parts))
+            f"({mine.get('collective')} here): " + holders(rows, names))
 
 
-def _parse(row: np.ndarray) -> dict:
-    text = bytes(row).rstrip(b"\0")
-    try:
-        return json.loads(text)
-    except ValueError:
-        return {"collective": "unreadable signature"}
+def holders(rows: list[dict], names: list[str]) -> str:
+    """Each field of ``names`` with the ranks that hold each of its values."""
+    parts = []
+    for name in names:
+        ranks_of: dict[str, list[int]] = {}
+        for r, row in enumerate(rows):
+            ranks_of.setdefault(_key(row.get(name)), []).append(r)
+        values = "; ".join(f"{value} on {_ranks(ranks)}" for value, ranks in ranks_of.items())
+        parts.append(f"{name}: {values}")
+    return " | ".join(parts)
 
 
 def _key(value: Any) -> str:

@@ -7,9 +7,10 @@ the host transport (no schedule, executor or reduction of pycoll's in between, s
 cannot copy itself into the check); every rank compares its own result with what
 :mod:`pycoll.oracle` computes from all the inputs, and that it left its input alone where the
 call was not in place (in-place ReduceScatter: x's rows other than its result); and the
-ranks exchange verdicts, so a wrong result anywhere raises the same
-:class:`VerificationError` on every rank (none is left waiting), naming the ranks, how many
-elements differ and the first.
+ranks exchange verdicts (and first what their calls say: each rank would check its own
+reading of the call, and under a schedule where each rank reduces every input itself, pass),
+so a wrong result anywhere raises the same :class:`VerificationError` on every rank (none is
+left waiting), naming the ranks, how many elements differ and the first.
 
 Integers, min and max, and every collective that only moves data must match exactly (copies
 bit for bit). Sums, averages and products of floats may differ from the oracle, which
@@ -36,7 +37,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from pycoll import oracle
+from pycoll import agree, oracle
 from pycoll.kernels import ReduceOp
 from pycoll.settings import switch
 
@@ -47,6 +48,7 @@ _REDUCING = ("allreduce", "reduce_scatter", "reduce")
 _OK, _WRONG, _FAILED, _WROTE_INPUT = 0, 1, 2, 3  # a rank's verdict
 _COUNTS = ("counts", "send_counts", "recv_counts")
 _CHUNK = 1 << 18  # float elements compared at a time
+_CALL_FIELDS = ("dtype", "row", "op", "root", "counts")  # see _call
 
 
 class VerificationError(RuntimeError):
@@ -152,8 +154,14 @@ def _to_host(space: Any, x: Any, stream: Any) -> np.ndarray:
 
 def _check(name: str, comm: Any, arguments: dict, mine: np.ndarray, result: Any, space: Any,
            stream: Any) -> None:
-    sizes = [int(s[0]) for s in _exchange(comm, name, np.array([mine.size], np.int64))]
-    inputs = _exchange(comm, name, mine, sizes)
+    rows = [agree.unpack(row) for row in
+            _exchange(comm, name, agree.pack({"size": mine.size, **_call(arguments, mine)}))]
+    differ = agree.differing(rows, _CALL_FIELDS)
+    if differ:  # each rank would check its own reading of the call, and might pass it
+        raise VerificationError(
+            f"{name}: the ranks' calls differ, so no result can be verified: "
+            f"{agree.holders(rows, differ)} (PYCOLL_CHECK=1 stops such calls before they run)")
+    inputs = _exchange(comm, name, mine, [int(row["size"]) for row in rows])
     send_counts = None
     if name == "alltoallv":  # every rank's, in elements
         row = mine.size // max(len(arguments["x"]), 1)
@@ -179,6 +187,19 @@ def _check(name: str, comm: Any, arguments: dict, mine: np.ndarray, result: Any,
     if (verdicts[:, 0] == _OK).all():
         return
     raise VerificationError(_describe(name, comm, arguments, mine.dtype, verdicts, local))
+
+
+def _call(arguments: dict, mine: np.ndarray) -> dict:
+    """What every rank's call must agree on for its result to mean one thing (the call has
+    accepted these values): the dtype and row shape, and the op, root and counts given."""
+    op, root, counts = (arguments.get(key) for key in ("op", "root", "counts"))
+    return {
+        "dtype": str(mine.dtype),
+        "row": list(np.shape(arguments["x"])[1:]),
+        "op": None if op is None else ReduceOp.parse(op).value,
+        "root": None if root is None else int(root),
+        "counts": agree.counts_field(None if counts is None else [int(c) for c in counts]),
+    }
 
 
 def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = None

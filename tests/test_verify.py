@@ -502,3 +502,33 @@ def test_ranks_that_differ_on_verifying_are_named_by_the_agreement_check(monkeyp
 
     said = pycoll.run_local(3, body)
     assert all("verify: true on ranks 0, 2; false on rank 1" in t for t in said), said
+
+
+@pytest.mark.parametrize("transport_name", ["auto", "shm"])
+@pytest.mark.parametrize("case, call, says", [
+    ("op", lambda rank: pycoll.allreduce(np.arange(4.0) + rank, "max" if rank == 0 else "sum",
+                                         algorithm="direct"),
+     'op: "max" on rank 0; "sum" on ranks 1, 2'),
+    ("dtype", lambda rank: pycoll.allreduce(
+        np.arange(4, dtype=np.float32 if rank == 0 else np.int32), algorithm="direct"),
+     'dtype: "float32" on rank 0; "int32" on ranks 1, 2'),
+    ("op of reduce_scatter", lambda rank: pycoll.reduce_scatter(
+        np.arange(6), "avg" if rank == 2 else "sum", algorithm="direct"),
+     'op: "sum" on ranks 0, 1; "avg" on rank 2'),
+    ("alike", lambda rank: pycoll.allgather(np.arange(2 if rank else 1), counts=[1, 2, 2]),
+     None),  # verified, no error
+])
+def test_ranks_whose_calls_differ_are_named_not_each_checked_alone(monkeypatch, transport_name,
+                                                                   case, call, says):
+    """Rank 0 asking for max and its peers for sum (or float32 against int32): under a
+    direct schedule every rank reduced all inputs itself and matched its own reading of the
+    call, so the ranks ended with different results and verification said nothing."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", transport_name)
+    said = errors_on_every_rank(3, call)
+    for text in said:
+        if says is None:
+            assert text == "no error", said
+        else:
+            assert text.startswith(f"{call.__code__.co_names[1]}: the ranks' calls differ, "
+                                   f"so no result can be verified: {says} (PYCOLL_CHECK=1 "
+                                   "stops such calls before they run)"), said
