@@ -119,11 +119,15 @@ def _exchange(comm: Any, mine: np.ndarray) -> np.ndarray:
         return shared.allgather_small(mine)
     from pycoll.api import allgather
 
+    traffic = comm.traffic
+    counted = dict(traffic.messages), dict(traffic.bytes)  # the call's, not the check's
     comm.agreeing = True
     try:
         return allgather(mine, comm=comm, algorithm="direct")
     finally:
         comm.agreeing = False
+        traffic.messages.update(counted[0])
+        traffic.bytes.update(counted[1])
 
 
 def describe(rows: list[dict], names: list[str], rank: int) -> str:

@@ -196,14 +196,17 @@ def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndar
     """Every rank's ``x`` through the shared slots (``call``: ``_call_number``'s)."""
     comm.traffic.to_every_peer(x.nbytes)
     name = collective._value_  # not .value: an Enum property costs as much as a small copy
-    if select.DEBUG and not comm.agreeing:
-        select.report_one_shot(name, x.nbytes, comm.size, comm.rank)
     try:
-        return shared.publish_small(x if x.ndim == 1 else x.reshape(-1), name, call)
+        parts = shared.publish_small(x if x.ndim == 1 else x.reshape(-1), name, call)
     except WaitTimeout as late:
         raise comm.timed_out(f"{name} (one-shot)", late) from None
     except ChannelsCrossed as error:
         raise comm.broken_by(error) from None
+    if select.DEBUG and not comm.agreeing:  # an AllGather's size is its output's, as plan's
+        select.report_one_shot(name, sum(p.nbytes for p in parts)
+                               if collective is Collective.ALLGATHER else x.nbytes,
+                               comm.size, comm.rank)
+    return parts
 
 
 def _sum_in_rank_order(out: np.ndarray, parts: tuple, reduce: Any) -> None:
@@ -749,7 +752,10 @@ def plan(
     """What a call of ``collective`` on ``nbytes`` would run on ``comm``: the algorithm and
     segment count chosen, why, and every candidate's predicted time (seconds, fastest first).
 
-    ``device=True`` plans for device (CuPy) arrays. Every rank may call it on its own.
+    ``device=True`` plans for device (CuPy) arrays. Every rank may call it on its own: under
+    MPI, before the communicator's first collective it reads this rank's own tuning file, where
+    the calls use rank 0's costs (shared at the first collective), so where the ranks' files
+    differ, ask after one collective for what will run.
     """
     comm = _comm(comm)
     valid = {c.value: c for c in Collective if c is not Collective.SENDRECV}

@@ -8,6 +8,8 @@ element at position r of that row, so four ranks hold A0=1, B1=6, C2=11 and D3=1
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
+from typing import Any
 
 import numpy as np
 
@@ -263,13 +265,24 @@ def explain(
                 f"{value(before)} -> {value(after)}"
             )
             state[d.dst][d.dst_chunk] = after
+    def run() -> tuple[Any, int]:
+        comm = pycoll.world()
+        comm.traffic.reset()
+        result = _CALLS[kind](inputs[comm.rank].copy(), algorithm, root)
+        return result, sum(comm.traffic.messages.values())
+
     select.FORCED_SEGMENTS, saved = nsegments, select.FORCED_SEGMENTS
     try:
-        results = pycoll.run_local(
-            nranks, lambda: _CALLS[kind](inputs[pycoll.world().rank].copy(), algorithm, root)
-        )
+        results, messages = zip(*pycoll.run_local(nranks, run))
     finally:
         select.FORCED_SEGMENTS = saved
+    sends = [sum(d.src == rank for d in chain.from_iterable(report.rounds))
+             for rank in range(nranks)]
+    if list(messages) != sends:
+        print_("messages the run sent (the sends above to one peer in one step whose chunks lie "
+               "side by side travel as one; chunks of no elements are not sent): "
+               + ", ".join(f"rank {r}: {m} for {s} sends" for r, (m, s) in
+                           enumerate(zip(messages, sends))))
     expected = _expected(kind, inputs, root)
     print_("results (run on in-process ranks)")
     match = True

@@ -4,7 +4,8 @@ Every message a schedule posts is counted where the executor hands it to the tra
 same place for every transport: MPI, shared memory, the in-process rendezvous, peer memory,
 staged copies), by the link class of its peer: ``intra`` (same node) or ``inter``. Shared
 memory's one-round small calls publish an array once for every peer of the node to read:
-counted as one message to each. ``comm.traffic`` holds a communicator's counts;
+counted as one message to each. The agreement check's and verification's own exchanges are
+not counted (on every transport alike). ``comm.traffic`` holds a communicator's counts;
 ``reset()`` starts them over.
 """
 

@@ -205,3 +205,20 @@ def test_a_rank_checking_alone_never_takes_the_checksums_for_data(monkeypatch, s
         errors.append(error)
     assert not wrong
     assert errors  # the ranks disagree on the call: someone says so
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_the_check_leaves_the_traffic_counts_alone(monkeypatch, transport):
+    """With the check on, comm.traffic counted its AllGather on the message transports (6
+    messages for a ring's 4) but not through shared memory: counts to compare with a plan
+    depended on the transport."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", transport)
+
+    def body(check: bool):
+        comm = pycoll.world()
+        comm.check = check
+        comm.traffic.reset()
+        pycoll.allreduce(np.arange(300.0), algorithm="ring")
+        return dict(comm.traffic.messages), dict(comm.traffic.bytes)
+
+    assert pycoll.run_local(3, lambda: body(True)) == pycoll.run_local(3, lambda: body(False))

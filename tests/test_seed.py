@@ -148,6 +148,20 @@ def test_explain_every_collective(collective, nranks, capsys):
         assert capsys.readouterr().out.rstrip().endswith("matches the numpy oracle")
 
 
+def test_explain_says_how_many_messages_its_sends_travel_in(capsys):
+    """explain printed one send per chunk, 6 by each rank, where the run sent 2: the chunks to
+    one peer in one step that lie side by side travel as one message."""
+    assert main(["explain", "allreduce", "--ranks", "3", "--algorithm", "direct",
+                 "--segments", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("rank 0 sends its input") == 6
+    assert ("messages the run sent (the sends above to one peer in one step whose chunks lie "
+            "side by side travel as one; chunks of no elements are not sent): rank 0: 2 for 6 "
+            "sends, rank 1: 2 for 6 sends, rank 2: 2 for 6 sends") in out
+    assert main(["explain", "allreduce", "--ranks", "4", "--algorithm", "ring"]) == 0
+    assert "messages the run sent" not in capsys.readouterr().out  # one send, one message
+
+
 def test_explain_names_a_chunk_without_elements(capsys):
     """More chunks than elements: some are empty (it printed "elements 2..1"). More segments
     than elements are cut to one per element, as a run cuts them (it printed a schedule that

@@ -134,6 +134,19 @@ def test_plan_and_debug_name_the_one_shot_where_it_serves_the_call(monkeypatch, 
                for line in lines)
 
 
+def test_debug_names_an_allgather_by_its_output_on_every_path(monkeypatch, caplog):
+    """A one-shot AllGather of 100 float32 on 3 ranks logged 400 B (its input), the same call
+    on the ring 1200 B (its output, as plan("allgather", 1200) reads it)."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+    monkeypatch.setattr(select, "DEBUG", True)
+    with caplog.at_level(logging.WARNING, logger="pycoll"):
+        pycoll.run_local(3, lambda: [pycoll.allgather(np.ones(100, np.float32), algorithm=a)
+                                     for a in ("auto", "ring")])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 6 and all(" allgather 1200 B on 3 ranks: " in line for line in lines)
+    assert sum(": one_shot (" in line for line in lines) == 3, lines
+
+
 def test_plan_on_one_rank_alone_names_the_one_shot_without_a_collective(monkeypatch):
     """plan may be asked on one rank alone: it reads the one-shot off the layout instead of
     making the shared-memory transport (every rank together) before the first collective."""
