@@ -67,8 +67,15 @@ def _env_bytes(name: str, default: int) -> int:
     return default if value is None else value // LINE * LINE
 
 
+# Windows this process may hold at once: each takes one of MPI's context ids, which
+# communicators take too (MPICH has 2048, and segfaults in Win_allocate_shared past them)
+MAX_WINDOWS = 1024
+
+
 class MpiSegments:
     """Segments of one ``MPI.Win.Allocate_shared`` window on a node communicator."""
+
+    held = 0  # windows of this process not yet freed
 
     def __init__(self, node_comm: Any, nbytes: int):
         from mpi4py import MPI
@@ -85,6 +92,7 @@ class MpiSegments:
             for r in range(node_comm.Get_size())
         ]
         self.fence = self.win.Sync
+        MpiSegments.held += 1
 
     def barrier(self) -> None:
         self.comm.Barrier()
@@ -94,6 +102,7 @@ class MpiSegments:
         self.segments = []
         self.win.Unlock_all()
         self.win.Free()
+        MpiSegments.held -= 1
 
 
 class ThreadSegments:

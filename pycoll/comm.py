@@ -464,6 +464,15 @@ class Communicator:
             return np.empty(shape, dtype)
         nbytes = max(1, count * dtype.itemsize)
         if self.mpi_comm is not None:
+            # every rank alike (the most any holds): one raising alone would leave its node
+            # waiting in the window's allocation
+            held = self.transport.comm.allreduce(shm.MpiSegments.held, op=mpi().MAX)
+            if held >= shm.MAX_WINDOWS:
+                raise ValueError(
+                    f"empty: a rank holds {held} shared windows (each array of pycoll.empty "
+                    f"lives as long as its communicator); allowed: at most {shm.MAX_WINDOWS} "
+                    "(MPI runs out of context ids and crashes): reuse the arrays, or make "
+                    "them on a sub-communicator and free() it")
             segments = shm.MpiSegments(self._node_comm, nbytes)
         else:
             host = self.transport

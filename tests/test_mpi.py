@@ -550,3 +550,30 @@ def test_a_failing_rank_ends_the_job_quickly(mode):
     )
     assert expected in output
     assert time.monotonic() - started < 60
+
+
+MANY_WINDOWS = """
+import numpy as np, pycoll
+from pycoll.bindings import shm
+shm.MAX_WINDOWS = 5  # MPICH segfaulted in its 2045th window
+kept = []
+try:
+    for step in range(10):
+        kept.append(pycoll.empty(16, np.float32) if pycoll.world().rank else
+                    pycoll.empty(1, np.int8))  # shapes may differ
+except ValueError as error:
+    print(f"rank {pycoll.world().rank} at {step}: {error}", flush=True)
+print(f"rank {pycoll.world().rank} then: {pycoll.allreduce(np.ones(2)).tolist()}", flush=True)
+"""
+
+
+def test_shared_windows_past_the_limit_are_refused_on_every_rank():
+    """About 2040 pycoll.empty arrays (windows live as long as their communicator) crashed
+    every rank with SIGSEGV inside MPI_Win_allocate_shared: MPI ran out of context ids."""
+    done = launch(2, "-c", MANY_WINDOWS, PYCOLL_HOST_TRANSPORT="shm")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in (0, 1):
+        assert (f"rank {rank} at 4: empty: a rank holds 5 shared windows (each array of "
+                "pycoll.empty lives as long as its communicator); allowed: at most 5") in output
+        assert f"rank {rank} then: [2.0, 2.0]" in output, output
