@@ -13,13 +13,56 @@ read and the input may not be changed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import sys
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pycoll.bindings.transport import WaitTimeout
+
+
+class _Unretrieved:
+    """Held by a failed collective's future until its ``wait()`` raises the error: if the
+    future goes first (its Work dropped, or the program ending, unwaited), the error is said
+    on stderr rather than lost (as asyncio says a task's "exception was never retrieved")."""
+
+    def __init__(self, what: str, error: BaseException):
+        self.what, self.error, self.retrieved = what, error, False
+        _UNRETRIEVED.add(self)
+
+    def say(self) -> None:
+        if not self.retrieved:
+            self.retrieved = True
+            try:
+                sys.stderr.write(f"pycoll: an async {self.what} failed and was never waited: "
+                                 f"{type(self.error).__name__}: {self.error}\n")
+            except Exception:  # at interpreter shutdown stderr may be gone
+                pass
+
+    __del__ = say
+
+
+# The failures not yet retrieved: said at exit, after the workers finished (Python joins
+# them before it runs atexit's functions), where a global Work would outlive stderr
+_UNRETRIEVED: weakref.WeakSet[_Unretrieved] = weakref.WeakSet()
+
+
+@atexit.register
+def _say_unretrieved() -> None:
+    for unretrieved in list(_UNRETRIEVED):
+        unretrieved.say()
+
+
+def _keep_error(what: str) -> Callable[[Future], None]:
+    def done(future: Future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            future.unretrieved = _Unretrieved(what, future.exception())
+
+    return done
 
 
 class Work:
@@ -42,7 +85,11 @@ class Work:
         """Block until the collective has finished; return its result (what the blocking call
         returns), or raise what it raised."""
         with self._parked(self._what, [self._future]):
-            result = self._future.result()
+            self._future.exception()  # waits
+        unretrieved = getattr(self._future, "unretrieved", None)
+        if unretrieved is not None:
+            unretrieved.retrieved = True  # raised here, to the caller
+        result = self._future.result()
         return result if self._finish is None else self._finish(result)
 
     def __repr__(self) -> str:
@@ -116,6 +163,7 @@ class AsyncQueue:
         future = self._executor.submit(job)
         if self._world is not None:
             future.add_done_callback(lambda _: self._count(-1))
+        future.add_done_callback(_keep_error(what))
         self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
         return Work(future, what, self._parked)
 

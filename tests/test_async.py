@@ -703,3 +703,34 @@ def test_free_lets_queued_collectives_and_posted_send_recv_finish(monkeypatch, t
     np.testing.assert_array_equal(total, np.full(5, 3))
     np.testing.assert_array_equal(other, np.full(5, 3))
     np.testing.assert_array_equal(message, np.arange(count, dtype=np.float64))
+
+
+def test_an_async_failure_never_waited_is_said_not_lost(capfd):
+    """Rank 0's async allreduce that rank 1 never joined timed out and was never waited: the
+    run returned as a success and the error went nowhere (without a timeout: a Deadlock)."""
+    import gc
+
+    from pycoll import work
+
+    def body(wait: bool):
+        comm = pycoll.world()
+        comm.timeout = 0.3
+        if comm.rank == 1:
+            time.sleep(0.6)
+            return None
+        handle = pycoll.allreduce(np.ones(4), async_op=True)
+        if wait:
+            with pytest.raises(pycoll.CollectiveTimeout):
+                handle.wait()
+        return None
+
+    pycoll.run_local(2, lambda: body(wait=True))
+    gc.collect()
+    work._say_unretrieved()  # what exit runs
+    assert "never waited" not in capfd.readouterr().err  # raised to its wait(): said there
+    pycoll.run_local(2, lambda: body(wait=False))
+    gc.collect()
+    work._say_unretrieved()
+    err = capfd.readouterr().err
+    assert err.count("pycoll: an async allreduce failed and was never waited: "
+                     "CollectiveTimeout: allreduce") == 1, err
