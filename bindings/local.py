@@ -95,6 +95,14 @@ class LocalWorld:
         with self._lock:
             self._queues[rank].append(queue)
 
+    def remove_queue(self, rank: int, queue: Any) -> None:
+        """``queue`` is closed (its communicator freed): its rank's return need not drain it
+        (a world that lives on kept every freed one)."""
+        with self._lock:
+            queues = self._queues.get(rank, [])
+            if queue in queues:
+                queues.remove(queue)
+
     def drain_queues(self, rank: int) -> None:
         """A rank that returns lets its async work finish first, as a process's exit waits
         for its executor threads: left running, it outlived run_local (a thread and every

@@ -116,6 +116,7 @@ class ThreadSegments:
         count = len(ranks)
         self.segments = shared.setdefault((key, "segments"), [None] * count)
         self._state = shared.setdefault((key, "barrier"), _ThreadBarrier(count))
+        self._shared, self._key = shared, key
         self._check, self._ranks, self._timeout = check, ranks, timeout
         self.index = index
         self.segments[index] = np.zeros(nbytes, np.uint8)
@@ -142,6 +143,9 @@ class ThreadSegments:
 
     def free(self) -> None:
         self.segments[self.index] = None  # the shared list outlives this rank's hold on it
+        if all(segment is None for segment in self.segments):  # the last rank to free
+            self._shared.pop((self._key, "segments"), None)  # (a world that lives on kept
+            self._shared.pop((self._key, "barrier"), None)  # every freed one's entries)
         self.segments = []
 
 

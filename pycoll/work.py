@@ -199,3 +199,5 @@ class AsyncQueue:
     def close(self) -> None:
         """Let the worker thread end (after its queued work); no more work may come."""
         self._executor.shutdown(wait=False)
+        if self._world is not None:
+            self._world.remove_queue(self._rank, self)

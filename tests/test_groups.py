@@ -200,3 +200,26 @@ def test_a_thread_there_before_run_local_keeps_its_world_of_one():
         release.set()
         background.join(30)
 
+
+
+def test_freed_sub_communicators_leave_nothing_in_the_in_process_world(monkeypatch):
+    """Each split-and-freed communicator of a run_local kept its async worker (with its
+    executor) and its shared-memory entries in the world until run_local returned: about
+    10 KB each, without bound in a long run."""
+    monkeypatch.setenv("PYCOLL_HOST_TRANSPORT", "shm")
+
+    def body():
+        world = pycoll.world()
+        held = []
+        for _ in range(20):
+            sub = world.split(0)
+            pycoll.allreduce(np.ones(4), comm=sub, async_op=True).wait()
+            pycoll.allreduce(pycoll.empty(4, comm=sub), comm=sub)
+            sub.free()
+            pycoll.barrier()  # every rank's free done
+            local = world.transport.world
+            held.append((len(local._queues[world.rank]), len(local.shared)))
+        return held
+
+    for held in pycoll.run_local(2, body):
+        assert held[-1] == held[5], held  # (the world makes its own on first use)
