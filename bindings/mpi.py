@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pycoll.bindings.transport import WaitTimeout, counts_disagree
+from pycoll.bindings.transport import PeerFailed, WaitTimeout, counts_disagree
 from pycoll.settings import switch
 
 # Launchers set these in every rank's environment; a plain `python` sets none of them.
@@ -87,8 +87,13 @@ class MPITransport:
             elif requests:
                 self._MPI.Request.Waitall(requests, statuses)
         except self._MPI.Exception as error:  # a message longer than its buffer: say whose
-            self._name_truncation(error, requests, statuses)
-            raise
+            peers, why = self._name_truncation(error, requests, statuses)
+            # else a peer gone (its memory unreadable, its connection closed): MPI's own
+            # exception said only "see the MPI_ERROR field", naming no rank
+            raise PeerFailed(
+                f"rank {self.rank}: MPI failed a transfer with rank(s) "
+                f"{', '.join(map(str, peers)) or '?'} ({why}): "
+                "has that rank ended or failed?") from error
         except WaitTimeout:
             for request in requests:
                 self._expected.pop(id(request), None)
@@ -131,19 +136,27 @@ class MPITransport:
         for r in requests:
             self._peer_of.pop(id(r), None)
 
-    def _name_truncation(self, error: Any, requests: list, statuses: list) -> None:
-        """Raise ValueError naming the receive that MPI truncated, if it did."""
+    def _name_truncation(self, error: Any, requests: list, statuses: list
+                         ) -> tuple[list[int], str]:
+        """Raise ValueError naming the receive that MPI truncated, if it did; else return
+        the peers of the requests that failed (as far as known) and MPI's words for why."""
         MPI = self._MPI
         in_status = error.Get_error_class() == MPI.ERR_IN_STATUS  # Waitall, Testall
-        truncated = None
+        truncated, peers, why = None, [], error.Get_error_string().strip()
         for request, status in zip(requests, statuses):
             code = status.Get_error() if in_status else error.Get_error_code()
             entry = self._expected.pop(id(request), None)  # every one, as waitall does
+            peer = self._peer_of.pop(id(request), None) if entry is None else entry[2]
+            if code != MPI.SUCCESS and in_status and not peers:
+                why = MPI.Get_error_string(code).strip()  # not "see the MPI_ERROR field"
+            if code != MPI.SUCCESS and peer is not None and peer not in peers:
+                peers.append(peer)
             if entry is not None and truncated is None and (
                     MPI.Get_error_class(code) == MPI.ERR_TRUNCATE):
                 truncated = entry
         if truncated is not None:
             raise counts_disagree(self.rank, *truncated[1:], None) from None
+        return sorted(peers), why
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int) -> None:
         if self.timeout is not None:

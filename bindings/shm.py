@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from pycoll.bindings.transport import SAME_CALL, ChannelsCrossed, WaitTimeout
+from pycoll.bindings.transport import SAME_CALL, ChannelsCrossed, PeerFailed, WaitTimeout
 from pycoll.settings import switch, whole_number
 
 LINE = 64  # bytes of a cache line; every header and payload starts on one
@@ -568,7 +568,8 @@ class SharedMemoryTransport:
         place for a copy; in cache-sized pieces, each reduced at once, for a reduction."""
         def read(at: int, into: np.ndarray) -> None:
             if not _read_process(self._pids[i], at, into):
-                raise OSError(f"rank {self.rank}: reading rank {self.local[i]}'s memory failed")
+                raise PeerFailed(f"rank {self.rank}: reading rank {self.local[i]}'s memory "
+                                 "failed (process_vm_readv): has that rank ended or failed?")
 
         if r.combine is None:
             read(address, r.bytes[r.received : r.received + n])

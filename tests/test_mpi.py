@@ -577,3 +577,38 @@ def test_shared_windows_past_the_limit_are_refused_on_every_rank():
         assert (f"rank {rank} at 4: empty: a rank holds 5 shared windows (each array of "
                 "pycoll.empty lives as long as its communicator); allowed: at most 5") in output
         assert f"rank {rank} then: [2.0, 2.0]" in output, output
+
+
+def test_an_mpi_transfer_that_fails_names_the_peer():
+    """A peer that had caught its CollectiveTimeout and ended: the late rank's collective
+    raised a bare mpi4py.MPI.Exception ("See the MPI_ERROR field in MPI_Status"), naming no
+    rank, no reason. Its transfers' failure is a PeerFailed naming the peer and MPI's why."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from pycoll import PeerFailed
+    from pycoll.bindings.mpi import MPITransport
+
+    class FailingRequests:
+        @staticmethod
+        def Waitall(requests, statuses):
+            MPI.Request.Waitall(requests)  # done: nothing left posted
+            for status in statuses:
+                status.Set_error(MPI.ERR_OTHER)
+            raise MPI.Exception(MPI.ERR_IN_STATUS)
+
+    class FailingMPI:
+        Request = FailingRequests
+
+        def __getattr__(self, name):
+            return getattr(MPI, name)
+
+    comm = MPI.COMM_SELF.Dup()
+    transport = MPITransport(comm)
+    transport._MPI = FailingMPI()
+    into, out = np.zeros(4, np.uint8), np.ones(4, np.uint8)
+    with pytest.raises(PeerFailed, match=r"^rank 0: MPI failed a transfer with rank\(s\) 0 "
+                                         r"\(.+\): has that rank ended or failed\?$") as failed:
+        transport.waitall([transport.irecv(into, 0, 5), transport.isend(out, 0, 5)])
+    assert "MPI_ERROR field" not in str(failed.value)  # the failed status's own words
+    comm.Free()
