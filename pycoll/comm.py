@@ -460,12 +460,8 @@ class Communicator:
         count = int(np.prod(shape, dtype=np.int64))
         if self.mpi_comm is not None:
             self.all_arrive("empty")  # a rank alone on its node too: every rank comes here
-        if self._shared is None:
-            return np.empty(shape, dtype)
-        nbytes = max(1, count * dtype.itemsize)
-        if self.mpi_comm is not None:
-            # every rank alike (the most any holds): one raising alone would leave its node
-            # waiting in the window's allocation
+            # every rank alike (the most any holds), those alone on their node too: one
+            # raising alone would leave its node waiting in the window's allocation
             held = self.transport.comm.allreduce(shm.MpiSegments.held, op=mpi().MAX)
             if held >= shm.MAX_WINDOWS:
                 raise ValueError(
@@ -473,6 +469,10 @@ class Communicator:
                     f"lives as long as its communicator); allowed: at most {shm.MAX_WINDOWS} "
                     "(MPI runs out of context ids and crashes): reuse the arrays, or make "
                     "them on a sub-communicator and free() it")
+        if self._shared is None:
+            return np.empty(shape, dtype)
+        nbytes = max(1, count * dtype.itemsize)
+        if self.mpi_comm is not None:
             segments = shm.MpiSegments(self._node_comm, nbytes)
         else:
             host = self.transport
