@@ -724,9 +724,12 @@ def test_an_async_failure_never_waited_is_said_not_lost(capfd):
                 handle.wait()
         return None
 
+    gc.collect()
+    work._say_unretrieved()  # earlier tests' (what exit runs)
+    capfd.readouterr()
     pycoll.run_local(2, lambda: body(wait=True))
     gc.collect()
-    work._say_unretrieved()  # what exit runs
+    work._say_unretrieved()
     assert "never waited" not in capfd.readouterr().err  # raised to its wait(): said there
     pycoll.run_local(2, lambda: body(wait=False))
     gc.collect()
