@@ -57,10 +57,17 @@ def _say_unretrieved() -> None:
         unretrieved.say()
 
 
+# Orders a future's done-callback against its wait(): a waiter woken before the callback
+# runs must not leave it a failure to say that the wait raised
+_RETRIEVING = threading.Lock()
+
+
 def _keep_error(what: str) -> Callable[[Future], None]:
     def done(future: Future) -> None:
         if not future.cancelled() and future.exception() is not None:
-            future.unretrieved = _Unretrieved(what, future.exception())
+            with _RETRIEVING:
+                if not getattr(future, "waited", False):
+                    future.unretrieved = _Unretrieved(what, future.exception())
 
     return done
 
@@ -86,9 +93,11 @@ class Work:
         returns), or raise what it raised."""
         with self._parked(self._what, [self._future]):
             self._future.exception()  # waits
-        unretrieved = getattr(self._future, "unretrieved", None)
-        if unretrieved is not None:
-            unretrieved.retrieved = True  # raised here, to the caller
+        with _RETRIEVING:  # raised here, to the caller: nothing to say later
+            self._future.waited = True
+            unretrieved = getattr(self._future, "unretrieved", None)
+            if unretrieved is not None:
+                unretrieved.retrieved = True
         result = self._future.result()
         return result if self._finish is None else self._finish(result)
 
