@@ -87,7 +87,7 @@ class MPITransport:
             elif requests:
                 self._MPI.Request.Waitall(requests, statuses)
         except self._MPI.Exception as error:  # a message longer than its buffer: say whose
-            peers, why = self._name_truncation(error, requests, statuses)
+            peers, why = self._failed_transfer(error, requests, statuses)
             # else a peer gone (its memory unreadable, its connection closed): MPI's own
             # exception said only "see the MPI_ERROR field", naming no rank
             raise PeerFailed(
@@ -136,7 +136,7 @@ class MPITransport:
         for r in requests:
             self._peer_of.pop(id(r), None)
 
-    def _name_truncation(self, error: Any, requests: list, statuses: list
+    def _failed_transfer(self, error: Any, requests: list, statuses: list
                          ) -> tuple[list[int], str]:
         """Raise ValueError naming the receive that MPI truncated, if it did; else return
         the peers of the requests that failed (as far as known) and MPI's words for why."""

@@ -265,6 +265,7 @@ def explain(
                 f"{value(before)} -> {value(after)}"
             )
             state[d.dst][d.dst_chunk] = after
+
     def run() -> tuple[Any, int]:
         comm = pycoll.world()
         comm.traffic.reset()
