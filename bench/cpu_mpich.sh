@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The sweep behind bench/results/cpu-mpich.md: AllReduce, ReduceScatter and AllGather, float32
-# sum, 8 B to 256 MiB by factors of 4, at 2 and 4 ranks, every pycoll algorithm and auto, each
+# sum, 8 B to 128 MiB (-e 256M by factors of 4), at 2 and 4 ranks, every pycoll algorithm and auto, each
 # against native MPICH in the same run. Repeated RUNS times; bench/summarize.py takes medians.
 #   bash bench/cpu_mpich.sh [RUNS] [OUT_DIR]
 set -euo pipefail

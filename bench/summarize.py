@@ -56,7 +56,7 @@ def main(folder: str) -> None:
         print("|" + "---|" * len(head))
         for size in sorted(by_size):
             per = by_size[size]
-            cells, ratios, natives, wrong = [human(size)], {}, [], 0
+            cells, ratios, natives, wrong = [human(size)], {}, [], []
             for algorithm in algorithms:
                 samples = per.get(algorithm, [])
                 if not samples:
@@ -65,12 +65,13 @@ def main(folder: str) -> None:
                 busbw = statistics.median(s[3] for s in samples)
                 ratios[algorithm] = statistics.median(s[1] / s[0] for s in samples if s[0] > 0)
                 natives += [s[4] for s in samples]
-                wrong += sum(s[2] or 0 for s in samples)  # None: not checked (-c 0)
+                wrong += [s[2] for s in samples if s[2] is not None]  # None: -c 0
                 cells.append(f"{busbw:.3f}")
             cells.append(f"{statistics.median(natives):.3f}")
             best = max((a for a in ratios if a != "auto"), key=ratios.get, default=None)
             cells += ["-", "-"] if best is None else [best, f"{ratios[best]:.2f}"]
-            cells += [f"{ratios['auto']:.2f}" if "auto" in ratios else "-", str(wrong)]
+            cells += [f"{ratios['auto']:.2f}" if "auto" in ratios else "-",
+                      str(sum(wrong)) if wrong else "not checked"]
             print("| " + " | ".join(cells) + " |")
 
 

@@ -83,7 +83,8 @@ def main(folder: str) -> None:
                 cells.append("-" if value is None else f"{value:.2f}")
             shared_roof = roof("shared", "two_shot")
             cells.append("-" if shared_roof is None else f"{shared_roof:.0f}%")
-            cells.append(str(sum(wrong_of(r) or 0 for r in natives)))  # None: not checked
+            checked = [wrong_of(r) for r in natives if wrong_of(r) is not None]  # None: -c 0
+            cells.append(str(sum(checked)) if checked else "not checked")
             print("| " + " | ".join(cells) + " |")
             shm_ratio = ratio("shm", "auto")
             if size >= 1 << 20 and shm_ratio < 2:
