@@ -721,6 +721,39 @@ def segment_bytes(count: int, ring_bytes: int = RING_BYTES, small_bytes: int = S
     return _Layout(count, ring_bytes, small_bytes).bytes
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give (Linux's MemAvailable: free, and caches
+    it can drop), else its free pages; None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+SHARED_MEMORY_FOLDER = "/dev/shm"  # where MPICH and Open MPI keep shared windows' files
+
+
+def shared_memory_free(folder: str = SHARED_MEMORY_FOLDER) -> int | None:
+    """Bytes a new shared window may still take on this node: ``folder``'s free space (a
+    container's /dev/shm is often 64 MiB, and touching a window past it kills the process with
+    SIGBUS), and no more than the memory Linux can still give; None where neither is known."""
+    try:
+        stat = os.statvfs(folder)
+        free: int | None = stat.f_bavail * stat.f_frsize
+    except OSError:
+        free = None
+    memory = available_memory()
+    known = [n for n in (free, memory) if n is not None]
+    return min(known) if known else None
+
+
 def ring_bytes_from_env() -> int:
     return _env_bytes("PYCOLL_SHM_RING_BYTES", RING_BYTES)
 

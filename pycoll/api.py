@@ -388,11 +388,12 @@ def broadcast(
     stream: Any = None,
     async_op: bool = False,
 ) -> Array:
-    """Copy root's ``x`` into every rank's ``x`` (in place); returns ``x``."""
+    """Copy root's ``x`` into every rank's ``x`` (in place; the root's is only read, and may
+    be read-only); returns ``x``."""
     if async_op is not False and _async(async_op, "broadcast"):
         checked = _before_submit(comm, x, "broadcast", algorithm, stream)
-        _writable(x, "x", "broadcast")
-        _root(root, checked, "broadcast")
+        if _root(root, checked, "broadcast") != checked.rank:  # the root's x is only read
+            _writable(x, "x", "broadcast")
         return _submit(broadcast, "broadcast", x, root, comm=comm, algorithm=algorithm,
                        stream=stream)
     comm = _comm(comm)
@@ -404,8 +405,9 @@ def broadcast(
             _broadcast(comm, x, root, algorithm, None, remembered)
             return x
     space = _space(x, "broadcast")
-    _writable(x, "x", "broadcast")
     root = _root(root, comm, "broadcast")
+    if root != comm.rank:  # the root's x is only read (as MPI_Bcast's buffer)
+        _writable(x, "x", "broadcast")
     with space.using(stream, "broadcast"):
         how = _broadcast(comm, x, root, algorithm, stream)
     _remember(comm, known, how)
@@ -589,7 +591,7 @@ def _alltoallv_out(out: Array, x: Array, recv_counts: list[int] | None) -> None:
         raise ValueError(f"alltoallv: out.shape={out.shape}; allowed: the rows that arrive, "
                          f"each shaped {x.shape[1:]}")
     rows = sum(recv_counts) if recv_counts is not None else getattr(out, "shape", (0,))[0]
-    _out(out, x, (rows, *x.shape[1:]), "alltoallv")
+    _out(out, x, (rows, *x.shape[1:]), "alltoallv", may_alias=True)
 
 
 def _alltoallv_counts(comm: Communicator, x: Array, send_counts: Any,

@@ -245,9 +245,9 @@ def _ranks_here(ranks: int | None) -> int:
 
 
 def _available_memory() -> int | None:
-    from pycoll import bench
+    from pycoll.bindings import shm
 
-    return bench.available_memory()
+    return shm.available_memory()
 
 
 def _mpi_world():

@@ -421,9 +421,25 @@ class Communicator:
             # on pycoll's duplicate: this runs in the first collective, maybe on the async
             # worker, beside the program's own calls on its communicator
             self._node_comm = self.transport.comm.Split(nodes[self.rank], self.rank)
+            per_rank = shm.segment_bytes(len(local), ring, small)
+            # a rank's ring to itself is never touched: no pages
+            touched = (per_rank - ring) * len(local) if len(local) > 1 else 0
+            short = self._short_of_shared_memory(nodes, touched)
+            if short:  # seen alike by every rank: all take messages, or all raise
+                said = (f"shared memory for host arrays needs {short}: give the node more "
+                        "(docker run --shm-size), or lower PYCOLL_SHM_RING_BYTES (now "
+                        f"{ring} bytes per peer)")
+                if _host_transport_mode() == "shm":
+                    raise MemoryError(f"PYCOLL_HOST_TRANSPORT='shm': {said}; allowed: "
+                                      "PYCOLL_HOST_TRANSPORT=auto or mpi, which take messages")
+                if self.rank == 0:
+                    print(f"pycoll: {said}; host arrays take MPI messages instead",
+                          file=sys.stderr, flush=True)
+                self._host_kind = "mpi"  # the costs that choose algorithms: messages'
+                return self.transport
             if len(local) == 1:
                 return self.transport
-            segments = shm.MpiSegments(self._node_comm, shm.segment_bytes(len(local), ring, small))
+            segments = shm.MpiSegments(self._node_comm, per_rank)
             # A rank that dies takes the MPI job down; what a wait in shared memory owes MPI
             # is progress: MPICH moves a large message only while its receiver calls MPI, and
             # a Send into this rank's posted Recv would wait for as long as this rank polls.
@@ -450,6 +466,21 @@ class Communicator:
         remote = Delivered(self.transport)
         return RoutedTransport([self._shared if p in local else remote for p in range(self.size)])
 
+    def _short_of_shared_memory(self, nodes: list[int], need: int) -> str:
+        """Under MPI, collective: where some node has less shared memory free than its ranks'
+        windows ``need`` (bytes, this rank's node's total), what it needs and has, alike on
+        every rank; else "" (nothing known counts as enough)."""
+        from pycoll.bindings import shm
+
+        free = shm.shared_memory_free() if need else None
+        short = {}
+        for node, needed, has in self.transport.comm.allgather((nodes[self.rank], need, free)):
+            if has is not None and needed > has:
+                short[node] = (needed, min(has, short.get(node, (0, has))[1]))
+        return "; ".join(
+            f"{_mib(needed)} on node {node}, where {shm.SHARED_MEMORY_FOLDER} has {_mib(has)} "
+            "free" for node, (needed, has) in sorted(short.items()))
+
     def shared_empty(self, shape: Any, dtype: Any) -> np.ndarray:
         """An array in a new shared window (collective: every rank calls it); a plain numpy
         array when this rank shares no memory with a peer."""
@@ -469,6 +500,14 @@ class Communicator:
                     f"lives as long as its communicator); allowed: at most {shm.MAX_WINDOWS} "
                     "(MPI runs out of context ids and crashes): reuse the arrays, or make "
                     "them on a sub-communicator and free() it")
+            local = len(self._shared.local) if self._shared is not None else 0
+            pages = -(-max(1, count * dtype.itemsize) // _PAGE) * _PAGE
+            short = self._short_of_shared_memory(self.nodes(), pages * local)
+            if short:  # touching it would kill the ranks with SIGBUS
+                raise MemoryError(
+                    f"empty(shape={shape!r}, dtype={dtype}): the array's window needs {short};"
+                    " allowed: an array that fits, or a node with more shared memory (docker "
+                    "run --shm-size)")
         if self._shared is None:
             return np.empty(shape, dtype)
         nbytes = max(1, count * dtype.itemsize)
@@ -834,6 +873,13 @@ def _transport_mode(name: str, allowed: tuple[str, ...]) -> str:
     if mode not in allowed:
         raise ValueError(f"{name}={mode!r} is invalid; allowed: {', '.join(allowed)}")
     return mode
+
+
+_PAGE = 4096  # MPI gives each rank's part of a shared window whole pages
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def _host_transport_mode() -> str:

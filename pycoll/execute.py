@@ -400,7 +400,8 @@ def _seed(seeds, source, work, space: Any) -> None:
     for in_start, in_stop, work_start, work_stop in seeds:
         target = work[work_start:work_stop]
         incoming = source[in_start:in_stop]
-        if not space.may_share_memory(incoming, target):  # the caller forbids partial overlap
+        # the caller forbids partial overlap; an empty range: a read-only x's, too
+        if incoming.size and not space.may_share_memory(incoming, target):
             space.copy(target, incoming)
 
 

@@ -27,7 +27,8 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from pycoll import algorithms, model
-from pycoll.bench import available_memory, bus_factor, element_count, size_text
+from pycoll.bench import bus_factor, element_count, size_text
+from pycoll.bindings.shm import available_memory
 from pycoll.schedule import ROOTED, Collective
 from pycoll.select import spans_nodes
 

@@ -260,6 +260,7 @@ def topology_for(comm, space, alone: bool = False) -> model.Topology:
         # them alone (a device-only program makes no shared memory for host arrays)
         if kind != "cuda":
             comm.host_transport()
+            kind = comm.host_kind()  # "mpi" where a node lacked the shared memory
         if kind not in comm.topologies:  # the device's first call, or costs since cleared
             comm.share_costs()
         return comm.topologies[kind]

@@ -88,6 +88,10 @@ class Work:
         """Whether the collective has finished (successfully or not); never blocks."""
         return self._future.done()
 
+    def is_completed(self) -> bool:
+        """``done()``, by torch.distributed's name."""
+        return self.done()
+
     def wait(self) -> Any:
         """Block until the collective has finished; return its result (what the blocking call
         returns), or raise what it raised."""

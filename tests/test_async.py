@@ -37,6 +37,7 @@ def test_collectives_on_two_communicators_overlap(monkeypatch, transport, nranks
         mine = second.wait()  # the small one need not wait for the big one
         results = first.wait(), mine, gathered.wait()
         assert first.done() and second.done() and "done" in repr(first)
+        assert first.is_completed() and gathered.is_completed()  # torch's name
         return results
 
     for result in run(nranks, body):
@@ -122,8 +123,8 @@ def _read_only(x):
 BAD_ASYNC_CALLS = {  # beside test_errors.BAD_CALLS, which runs async too (there)
     "gathered counts": (lambda r: pycoll.allgather(np.ones(3), counts=[2, 2], async_op=True),
                         r"counts\[\d\]=2 but this rank's x has 3 rows"),
-    "read-only": (lambda r: pycoll.broadcast(_read_only(np.ones(3)), async_op=True),
-                  "broadcast: x is read-only"),
+    "read-only": (lambda r: pycoll.broadcast(_read_only(np.ones(3)), 1 - r, async_op=True),
+                  "broadcast: x is read-only"),  # off the root (the root's is only read)
     "reduce out": (lambda r: pycoll.reduce(np.ones(3), root=r, out=np.ones(3, np.int8),
                                            async_op=True), "out.dtype=int8"),
     "send counts": (lambda r: pycoll.alltoallv(np.ones(3), [1, 1], async_op=True),
@@ -594,7 +595,7 @@ def test_an_async_receive_is_done_once_a_peer_fails():
         started = time.monotonic()
         while not work.done() and time.monotonic() - started < 5:
             time.sleep(0.01)
-        seen["done"] = work.done()
+        seen["done"] = work.done() and work.is_completed()  # torch's name for done()
         with pytest.raises(pycoll.PeerFailed, match="rank 0 failed"):
             work.wait()
         seen["raised"] = True

@@ -787,6 +787,28 @@ def test_the_in_place_check_counts_what_only_the_in_place_call_gets_wrong(
     assert "# out of bounds values: 3 FAILED" in printed.err
 
 
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather", "reduce"])
+@pytest.mark.parametrize("broken", ["ring", "tree"])
+def test_compare_counts_an_algorithm_that_leaves_out_unwritten(monkeypatch, capsys, tmp_path,
+                                                               collective, broken):
+    """Every algorithm's check shared one out array: after the first had written the right
+    result there, an algorithm that wrote nothing was counted 0 wrong (exit 0)."""
+    real = bench._Case._call
+
+    def call(case, algorithm):
+        if algorithm != broken:
+            real(case, algorithm)
+
+    monkeypatch.setattr(bench._Case, "_call", call)
+    assert main(["compare", collective, "--ranks", "3", "-b", "96", "-e", "96", "-n", "1",
+                 "-w", "0", "--output", str(tmp_path / "c")]) == 1
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("| 96 B |"))
+    # 24 float32 of out on each of 3 ranks; ReduceScatter's 8 each; Reduce's root's 24
+    wrong = {"allreduce": 72, "reduce_scatter": 24, "allgather": 72, "reduce": 24}
+    assert row.endswith(f"| {wrong[collective]} |"), table
+
+
 def test_the_mean_bus_bandwidth_counts_every_row_in_both_sets():
     """nccl-tests' '# Avg bus bandwidth', which scripts read: the mean over every busbw
     printed, out of place and in place."""

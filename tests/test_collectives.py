@@ -160,12 +160,30 @@ def test_broadcast(index, algorithm, nranks, count):
     dtype, _ = pick(index, False)
     root = index % nranks
     inputs = [exact_input(r, count, dtype, "sum", index) for r in range(nranks)]
-    results = pycoll.run_local(
-        nranks,
-        lambda: pycoll.broadcast(inputs[pycoll.world().rank].copy(), root, algorithm=algorithm),
-    )
-    for result in results:
+
+    def body():
+        rank = pycoll.world().rank
+        x = inputs[rank].copy()
+        x.flags.writeable = rank != root  # the root's x is only read, as MPI_Bcast's buffer
+        return pycoll.broadcast(x, root, algorithm=algorithm)
+
+    for result in pycoll.run_local(nranks, body):
         np.testing.assert_array_equal(result, oracle.broadcast(inputs, root))
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_read_only_x_off_the_root_of_a_broadcast_is_refused(async_op):
+    def body():
+        x = np.arange(4.0)
+        if pycoll.world().rank == 1:  # the root: rank 0 raises before sending it anything
+            return True
+        x.flags.writeable = False
+        with pytest.raises(ValueError, match="^broadcast: x is read-only; the result is "
+                                             "written into it$"):
+            pycoll.broadcast(x, root=1, async_op=async_op)
+        return True
+
+    assert pycoll.run_local(2, body) == [True, True]
 
 
 @pytest.mark.parametrize(
@@ -217,6 +235,30 @@ def test_alltoallv_uneven_and_empty(nranks):
     for (new, out), want in zip(results, oracle.alltoallv(inputs, send_counts.tolist())):
         np.testing.assert_array_equal(new, want)
         np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("nranks", RANKS)
+@pytest.mark.parametrize("async_op", [False, True])
+def test_alltoallv_in_place_where_as_many_rows_arrive_as_leave(nranks, async_op):
+    """out=x, as alltoall takes it (MPI_IN_PLACE): refused as an overlap before. Circulant
+    counts: every rank sends as many rows as it receives, but not to each peer as many as it
+    gets from that peer."""
+    rng = np.random.default_rng(nranks)
+    shifts = rng.integers(0, 4, size=nranks)
+    send_counts = [[int(shifts[(j - r) % nranks]) for j in range(nranks)]
+                   for r in range(nranks)]
+    inputs = [np.arange(sum(send_counts[r]), dtype=np.int64) + 100 * r
+              for r in range(nranks)]
+
+    def body():
+        rank = pycoll.world().rank
+        x = inputs[rank].copy()
+        result = pycoll.alltoallv(x, send_counts[rank], out=x, async_op=async_op)
+        return (result.wait() if async_op else result) is x and x
+
+    results = pycoll.run_local(nranks, body)
+    for got, want in zip(results, oracle.alltoallv(inputs, send_counts)):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("nranks", [2, 3])

@@ -612,3 +612,67 @@ def test_an_mpi_transfer_that_fails_names_the_peer():
         transport.waitall([transport.irecv(into, 0, 5), transport.isend(out, 0, 5)])
     assert "MPI_ERROR field" not in str(failed.value)  # the failed status's own words
     comm.Free()
+
+
+SHORT_OF_SHARED_MEMORY = """
+import sys
+import numpy as np, pycoll
+from pycoll.bindings import shm
+rank = pycoll.world().rank
+# rank 1's node (all one node here) has 1 MiB of /dev/shm free, as a container's may;
+# touching a window past it killed every rank with SIGBUS
+if sys.argv[1] == "transport":
+    shm.shared_memory_free = lambda folder=shm.SHARED_MEMORY_FOLDER: (
+        (1 << 20) if rank == 1 else None)
+try:
+    total = pycoll.allreduce(np.arange(100_000.0) + rank)
+    ok = (total == 3 * np.arange(100_000.0) + 3).all()
+    made = type(pycoll.world().host_transport()).__name__
+    print(f"rank {rank}: {pycoll.world().host_kind()} {made} {ok}", flush=True)
+except MemoryError as error:
+    print(f"rank {rank} raised: {error}", flush=True)
+if sys.argv[1] == "empty":
+    shm.shared_memory_free = lambda folder=shm.SHARED_MEMORY_FOLDER: (
+        (1 << 20) if rank == 2 else None)
+    try:
+        pycoll.empty(1 << 20, np.float32)
+    except MemoryError as error:
+        print(f"rank {rank} empty raised: {error}", flush=True)
+    print(f"rank {rank} then: {pycoll.allreduce(np.ones(2)).tolist()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_a_node_short_of_shared_memory_is_seen_alike_by_every_rank(transport):
+    """In a container's 64 MiB /dev/shm, four ranks' windows (112 MiB) killed every rank with
+    SIGBUS at the first collective. Where any rank's node lacks the room, every rank takes MPI
+    messages (said once), or, with PYCOLL_HOST_TRANSPORT=shm, every rank raises."""
+    done = launch(3, "-c", SHORT_OF_SHARED_MEMORY, "transport", PYCOLL_HOST_TRANSPORT=transport)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    needs = ("shared memory for host arrays needs 60.0 MiB on node 0, where /dev/shm has 1.0 "
+             "MiB free: give the node more (docker run --shm-size), or lower "
+             "PYCOLL_SHM_RING_BYTES (now 8388608 bytes per peer)")
+    for rank in range(3):
+        if transport == "auto":
+            assert f"rank {rank}: mpi MPITransport True" in output, output
+        else:
+            assert (f"rank {rank} raised: PYCOLL_HOST_TRANSPORT='shm': {needs}; allowed: "
+                    "PYCOLL_HOST_TRANSPORT=auto or mpi, which take messages") in output, output
+    assert output.count(needs) == (1 if transport == "auto" else 3), output
+    assert output.count("host arrays take MPI messages instead") == (transport == "auto")
+
+
+def test_a_shared_array_that_does_not_fit_is_refused_on_every_rank():
+    """pycoll.empty past the node's free shared memory (here rank 2's): MemoryError on every
+    rank, none left in the window's allocation, and the communicator goes on."""
+    done = launch(3, "-c", SHORT_OF_SHARED_MEMORY, "empty", PYCOLL_HOST_TRANSPORT="auto")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in range(3):
+        assert f"rank {rank}: shm SharedMemoryTransport True" in output, output
+        assert (f"rank {rank} empty raised: empty(shape=(1048576,), dtype=float32): the "
+                "array's window needs 12.0 MiB on node 0, where /dev/shm has 1.0 MiB free; "
+                "allowed: an array that fits, or a node with more shared memory (docker run "
+                "--shm-size)") in output, output
+        assert f"rank {rank} then: [3.0, 3.0]" in output, output

@@ -137,7 +137,8 @@ def test_a_repeated_call_with_one_bad_argument_gets_the_first_calls_error(transp
             "out holds x": lambda: pycoll.allgather(wide[4:12], out=wide),  # no rank's rows
             "out partly x": lambda: pycoll.allreduce(wide[:8], out=wide[4:12]),
             "read-only out": lambda: pycoll.allreduce(x, out=frozen),
-            "read-only x": lambda: pycoll.broadcast(frozen, 1),
+            # off the root, by each rank's own root (the root's x is only read)
+            "read-only x": lambda: pycoll.broadcast(frozen, 1 - pycoll.world().rank),
             "root True": lambda: pycoll.broadcast(x.copy(), True),
             "root True (reduce)": lambda: pycoll.reduce(x, root=True),
             "op list": lambda: pycoll.allreduce(x, [1]),

@@ -863,3 +863,21 @@ def test_free_on_one_rank_beside_another_call_is_named_free(monkeypatch, check):
     assert freed.startswith("free() (collective: every rank of the communicator calls it): "
                             "barrier (an allreduce of one int8): "), freed
     assert other.startswith("allreduce: " if check == "0" else "rank 1: "), other
+
+
+def test_shared_memory_free_is_the_folders_room_within_the_memory_left(tmp_path, monkeypatch):
+    """What a new window may take: the shared-memory folder's free space (statvfs), never
+    more than the memory Linux can still give, and the memory alone where the folder is
+    missing."""
+    import os
+
+    stat = os.statvfs(tmp_path)
+    room = stat.f_bavail * stat.f_frsize
+    assert shm.available_memory() > 0  # Linux's MemAvailable, read here
+    monkeypatch.setattr(shm, "available_memory", lambda: 1 << 62)
+    assert abs(shm.shared_memory_free(str(tmp_path)) - room) < (64 << 20)  # others write too
+    monkeypatch.setattr(shm, "available_memory", lambda: 12345)
+    assert shm.shared_memory_free(str(tmp_path)) == 12345
+    assert shm.shared_memory_free(str(tmp_path / "missing")) == 12345
+    monkeypatch.setattr(shm, "available_memory", lambda: None)
+    assert shm.shared_memory_free(str(tmp_path / "missing")) is None
