@@ -70,6 +70,8 @@ class Communicator:
             # an intercommunicator's allgather joins the other group: making one would hang
             raise TypeError(f"mpi_comm={mpi_comm!r} is invalid; allowed: an mpi4py "
                             "intracommunicator (MPI.Intracomm, not COMM_NULL)")
+        if parent.Get_size() > 1:
+            _everyone_comes(parent, None if bad_setting else _timeout_from_env())
         # one rank on shared memory and one not would wait forever; a rank's bad setting goes
         # round as its text: caught there, its peers would wait here for a rank never coming
         tables = (parent.allgather(str(bad_setting) if bad_setting else shared_settings())
@@ -757,6 +759,28 @@ def _valid_timeout(value: Any, name: str) -> float | None:
             or not value > 0):  # numpy's numbers too (np.int64(5))
         raise ValueError(f"{name}={value!r} is invalid; allowed: seconds > 0, or None")
     return None if value >= threading.TIMEOUT_MAX else float(value)
+
+
+def _everyone_comes(parent: Any, timeout: float | None) -> None:
+    """Wait until every rank of ``parent`` has come to make a communicator: within
+    ``timeout`` (PYCOLL_TIMEOUT) where set, as torch's init_process_group waits. A rank that
+    never makes one (it failed before its first pycoll call) left the others waiting forever
+    in the first blocking MPI call. Every rank posts the barrier, a bad setting's too."""
+    request = parent.Ibarrier()
+    if timeout is None:
+        request.Wait()
+        return
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while not request.Test():
+        if time.monotonic() > deadline:  # MPI cannot say which ranks have not come
+            raise CollectiveTimeout(
+                f"making a communicator: rank {parent.Get_rank()} waited {timeout:g} s for "
+                f"the other ranks of {parent.Get_size()} (making one is collective: every "
+                "rank calls pycoll.world() or Communicator() alike; has a rank failed or "
+                "ended before its first pycoll call?)")
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
 
 
 def _timeout_from_env() -> float | None:

@@ -676,3 +676,29 @@ def test_a_shared_array_that_does_not_fit_is_refused_on_every_rank():
                 "allowed: an array that fits, or a node with more shared memory (docker run "
                 "--shm-size)") in output, output
         assert f"rank {rank} then: [3.0, 3.0]" in output, output
+
+
+A_RANK_FAILS_BEFORE_PYCOLL = """
+import sys
+import numpy as np
+from mpi4py import MPI
+if MPI.COMM_WORLD.rank == 1:
+    sys.exit(3)  # fails before its first pycoll call: never makes the world
+import pycoll
+pycoll.allreduce(np.ones(2))
+"""
+
+
+def test_a_rank_that_never_makes_the_world_is_a_timeout_that_ends_the_job():
+    """With PYCOLL_TIMEOUT, the others waited forever in the first blocking MPI call of making
+    the world (the settings' allgather): as torch's init_process_group, they wait within it,
+    and the uncaught CollectiveTimeout ends the job."""
+    started = time.monotonic()
+    done = launch(3, "-c", A_RANK_FAILS_BEFORE_PYCOLL, timeout=120, PYCOLL_TIMEOUT="1")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert re.search(r"CollectiveTimeout: making a communicator: rank [02] waited 1 s for the "
+                     r"other ranks of 3 \(making one is collective: every rank calls "
+                     r"pycoll\.world\(\) or Communicator\(\) alike; has a rank failed or "
+                     r"ended before its first pycoll call\?\)", output), output
+    assert time.monotonic() - started < 60, output
