@@ -180,4 +180,4 @@ def on_rank(args) -> Report:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main("fsdp", on_rank, parser(__doc__.splitlines()[0])) else 1)
+    sys.exit(0 if main("fsdp", on_rank, parser(__doc__)) else 1)

@@ -36,9 +36,10 @@ class Report:
         self.lines.append(line)
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    """The examples' common options; an example adds its own."""
-    p = argparse.ArgumentParser(description=description)
+def parser(docstring: str | None) -> argparse.ArgumentParser:
+    """The examples' common options, described by the first line of the example's docstring
+    (None under python -OO); an example adds its own."""
+    p = argparse.ArgumentParser(description=(docstring or "").split("\n", 1)[0])
     p.add_argument("--ranks", type=int, default=None,
                    help="in-process ranks (threads); default: the MPI job (one rank without "
                         "mpiexec)")

@@ -865,12 +865,12 @@ def write_whole(text: str, path: str) -> None:
         sys.stdout.flush()
         return
     if os.path.exists(path) and not os.path.isfile(path):  # both follow links
-        with open(path, "w") as f:
+        with open(path, "w", encoding="utf-8") as f:
             f.write(text)
         return
     target = os.path.realpath(path)
     tmp = f"{target}.tmp"
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, target)
 

@@ -24,9 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     # and two ranks' errors ran together on one line
     if sys.stderr is sys.__stderr__ and isinstance(sys.stderr, io.TextIOWrapper):
         sys.stderr.reconfigure(line_buffering=True, write_through=False)
+    # the tables' µ, ≥ and ×: shown as ? where the terminal's encoding has none (LC_ALL=C
+    # without Python's UTF-8 coercion, PYTHONIOENCODING=latin-1), not a crash after measuring
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="replace")
     try:
         code = _main(argv)
-        sys.stdout.flush()  # a reader gone (`| head`) is found here at the latest
+        if sys.stdout is not None:  # None: the program was started with stdout closed
+            sys.stdout.flush()  # a reader gone (`| head`) is found here at the latest
     except BrokenPipeError:
         # not an error to report: the reader has what it wanted; and none at exit either
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -525,7 +531,7 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
     result.command = " ".join(words)
     prefix = args.output or f"compare-{args.collective}-{nranks}"
     text = result.markdown().replace("# ", "# pycoll compare: ", 1)
-    print(text, flush=True)
+    print(text, flush=True)  # a terminal that cannot show µ or ≥ gets ? (see main)
     try:
         try:
             compare.plot(result, f"{prefix}.png")
@@ -533,7 +539,7 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
             wrote = f" and {prefix}.png"
         except ImportError:  # matplotlib is an extra: the table stands without its plot
             link, wrote = "", " (no plot: matplotlib is not installed; pip install 'pycoll[plot]')"
-        with open(f"{prefix}.md", "w") as f:
+        with open(f"{prefix}.md", "w", encoding="utf-8") as f:
             f.write(text + "\n" + link)
     except OSError as error:  # the folder changed since it was checked
         print(f"pycoll compare: {error}", file=sys.stderr)

@@ -497,10 +497,18 @@ TRANSPORT_KINDS = ("local", "mpi", "shm", "cuda")
 
 
 def tuning_path() -> Path:
-    """$PYCOLL_TUNING, else the user's cache folder (XDG_CACHE_HOME or ~/.cache)/pycoll."""
+    """$PYCOLL_TUNING, else the user's cache folder (XDG_CACHE_HOME or ~/.cache)/pycoll;
+    ValueError where there is no home folder to name it by."""
     if os.environ.get(TUNING_ENV):
         return Path(os.environ[TUNING_ENV])
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    cache = os.environ.get("XDG_CACHE_HOME")
+    if not cache:
+        try:
+            cache = str(Path.home() / ".cache")
+        except RuntimeError:  # HOME unset, and a user id with no passwd entry (containers)
+            raise ValueError(
+                "the tuning file has no path: HOME is unset and this user has no home "
+                f"folder; allowed: {TUNING_ENV} (the file) or XDG_CACHE_HOME set") from None
     return Path(cache) / "pycoll" / "tuning.json"
 
 
@@ -525,9 +533,24 @@ def load_tuning(path: Path | None = None) -> dict[str, list[Topology]]:
     one per rank count tuned at; empty when there is no tuning file."""
     if path is None and _FILE_SET_ASIDE:
         return {}
-    path = tuning_path() if path is None else path
-    if not path.exists():
-        return {}
+    # the cache folder's file, where no one named a file: optional, so where it cannot be
+    # (no home folder) or cannot be looked for (a home this user may not enter: a container
+    # run as another user than its image's HOME), the built-in costs
+    optional = path is None and not os.environ.get(TUNING_ENV)
+    if path is None:
+        try:
+            path = tuning_path()
+        except ValueError:
+            return {}
+    try:
+        if not path.exists():
+            return {}
+    except OSError as error:  # a folder on its path this user may not search
+        if optional:
+            return {}
+        raise ValueError(
+            f"tuning file {path} is unreadable ({error!r}); allowed: a path this user can "
+            f"read, or {TUNING_ENV} unset") from error
     if path.is_dir():  # `pycoll tune` could not rewrite it either
         raise ValueError(f"tuning file {path} is a folder; allowed: a file's path "
                          f"({TUNING_ENV} names the file itself, as tuning.json)")
@@ -602,7 +625,7 @@ def save_tuning(topologies: list[tuple[str, Topology]], path: Path | None = None
     if fits or kept_fits:
         body["fits"] = {**kept_fits, **(fits or {})}
     path.resolve().parent.mkdir(parents=True, exist_ok=True)  # a link's target's folder
-    path.write_text(json.dumps(body, indent=1) + "\n")
+    path.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
     return path
 
 

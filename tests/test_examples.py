@@ -53,9 +53,10 @@ def test_example_under_mpiexec(name, nranks, settings):
     assert f"{name} on {nranks} ranks:" in output and "0 failed: PASSED" in output
 
 
-def test_example_as_a_script_in_process():
-    done = subprocess.run([sys.executable, str(EXAMPLES / "evaluation.py"), "--ranks", "4"],
-                          capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("flags", [[], ["-OO"]])  # -OO: no docstrings (their --help's line)
+def test_example_as_a_script_in_process(flags):
+    done = subprocess.run([sys.executable, *flags, str(EXAMPLES / "evaluation.py"), "--ranks",
+                           "4"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     # rank 0's 4 and the other ranks' 2 each (no result off the root): it said "4 per rank"
     assert "evaluation on 4 ranks: 10 checks in all, 0 failed: PASSED" in done.stdout

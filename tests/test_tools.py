@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pycoll
@@ -427,6 +428,69 @@ def test_a_tuning_path_that_names_a_folder_or_a_topology_says_so(tmp_path, capsy
                 "file, or a new path") in err, err
     assert topology_file.read_text() == kept
     assert scaling.topology_named(str(topology_file)).name.startswith("ethernet")
+
+
+def test_no_home_folder_means_no_tuning_file_where_none_is_named(monkeypatch, capsys):
+    """HOME unset for a user id with no passwd entry (an arbitrary container uid): every
+    collective raised RuntimeError (Could not determine home directory), reading the optional
+    tuning file; `pycoll demo` too. The built-in costs, as with no file; `pycoll tune` says
+    where to point it."""
+    for name in ("HOME", "XDG_CACHE_HOME", model.TUNING_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert model.load_tuning() == {}
+    assert pycoll.run_local(2, lambda: pycoll.allreduce(np.arange(3.0)).tolist()) == [
+        [0.0, 2.0, 4.0]] * 2
+    assert main(["demo"]) == 0
+    monkeypatch.setattr(tune, "tune", lambda *args, **kwargs: pytest.fail("measured"))
+    assert main(["tune", "--repeats", "1"]) == 2
+    assert ("pycoll tune: the tuning file has no path: HOME is unset and this user has no home "
+            "folder; allowed: PYCOLL_TUNING (the file) or XDG_CACHE_HOME set"
+            ) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_tuning_file_that_cannot_be_looked_for(monkeypatch, tmp_path, named):
+    """A home this user may not enter (a container run as another user than its image's
+    HOME=/root): Path.exists raised PermissionError out of every collective. Unnamed, the file
+    is optional: the built-in costs; named by PYCOLL_TUNING, it is said unreadable."""
+    monkeypatch.delenv(model.TUNING_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    if named:
+        monkeypatch.setenv(model.TUNING_ENV, str(tmp_path / "tuning.json"))
+
+    def refused(self: Path, *args, **kwargs) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "exists", refused)
+    if not named:
+        assert model.load_tuning() == {}
+        return
+    with pytest.raises(ValueError, match=r"^tuning file .*tuning\.json is unreadable "
+                                         r"\(PermissionError\(13, 'Permission denied'\)\); "
+                                         "allowed: a path this user can read, or PYCOLL_TUNING "
+                                         "unset$"):
+        model.load_tuning()
+
+
+def test_a_terminal_without_the_tables_characters_or_none_at_all(tmp_path):
+    """A Latin-1 stdout: compare measured, then crashed printing its table's µ and ≥, and
+    wrote no file. Stdout closed: every command ended in a traceback (sys.stdout is None)."""
+    env = {**os.environ, "PYTHONIOENCODING": "latin-1"}
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "pycoll", "compare", "allreduce", "--ranks", "2", "-b",
+         "8", "-e", "64", "-n", "1", "-w", "0", "--output", str(tmp_path / "c")],
+        capture_output=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert b"no size at ? 64 KiB was measured" in done.stdout  # ≥ shown as ?
+    assert "≥ 64 KiB" in (tmp_path / "c.md").read_text(encoding="utf-8")
+    closed = subprocess.run(f"{sys.executable} -P -m pycoll demo >&-", shell=True,
+                            capture_output=True, text=True, timeout=120)
+    assert (closed.returncode, closed.stderr) == (0, "")
 
 
 @pytest.mark.parametrize("args,says", [
