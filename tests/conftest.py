@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -28,6 +30,9 @@ ALL_DTYPES = [
     )
 ]
 OPS = ["sum", "prod", "min", "max", "avg"]
+# This Python, for a subprocess: with -P (3.11+) so that no folder shadows the installed
+# pycoll (where the working folder is not this checkout); 3.10 has no -P.
+PYTHON = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else [])]
 
 
 def ops_for(dtype: np.dtype) -> list[str]:

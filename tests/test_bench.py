@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import PYTHON
 from test_mpi import mpiexec
 
 import pycoll
@@ -179,7 +180,7 @@ def test_a_bad_setting_on_one_rank_stops_every_rank_and_is_said_once(command, se
     """A rank whose PYCOLL_SEGMENTS was bad stopped at once; its peers waited forever in
     making the world (collective) it never joined. The settings are now checked with the
     command line, which the ranks agree on; PYCOLL_SHM_CMA was not among them (a hang)."""
-    args = [sys.executable, "-P", "-m", "pycoll", command, "-e", "64", "-n", "1", "-w", "0",
+    args = [*PYTHON, "-m", "pycoll", command, "-e", "64", "-n", "1", "-w", "0",
             "--output" if command == "compare" else "--json", str(tmp_path / "out")]
     done = subprocess.run([mpiexec(), "-n", "1", "env", setting, *args, ":",
                            "-n", "2", *args], capture_output=True, text=True, timeout=120)
@@ -264,7 +265,7 @@ def test_ranks_given_different_command_lines_all_stop(rank_1, says):
     """Good command lines that differed between ranks passed the ranks' check, which shared
     only errors: a rank timing more sizes, iterations or warmups than its peers, or on shared
     memory while they were on MPI messages, left the job waiting forever."""
-    line = [sys.executable, "-P", "-m", "pycoll", "bench", "-b", "8", "-e", "1K", "-f", "4",
+    line = [*PYTHON, "-m", "pycoll", "bench", "-b", "8", "-e", "1K", "-f", "4",
             "-n", "2", "-w", "1"]
     other = [*rank_1, *line] if rank_1[0] == "env" else [*line, *rank_1]
     done = subprocess.run([mpiexec(), "-n", "1", *line, ":", "-n", "1", *other],
@@ -276,7 +277,7 @@ def test_ranks_given_different_command_lines_all_stop(rank_1, says):
 
 def test_a_command_line_that_does_not_parse_on_one_rank_ends_the_job():
     """argparse exits before any MPI call: the rank's peers waited for it forever."""
-    line = [sys.executable, "-P", "-m", "pycoll", "bench", "-e", "1K", "-n", "1", "-w", "0"]
+    line = [*PYTHON, "-m", "pycoll", "bench", "-e", "1K", "-n", "1", "-w", "0"]
     done = subprocess.run([mpiexec(), "-n", "1", *line, ":", "-n", "1", *line, "-c", "2"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0, done.stdout + done.stderr
@@ -286,7 +287,7 @@ def test_a_command_line_that_does_not_parse_on_one_rank_ends_the_job():
 @pytest.mark.parametrize("command", [["demo"], ["explain", "allreduce"]])
 def test_output_cut_short_is_no_traceback(command):
     """`pycoll demo | head -1` ended in BrokenPipeError and its traceback."""
-    reader = subprocess.Popen([sys.executable, "-P", "-m", "pycoll", *command],
+    reader = subprocess.Popen([*PYTHON, "-m", "pycoll", *command],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               bufsize=1)
     assert reader.stdout.readline()
@@ -983,7 +984,7 @@ def test_dev_stdout_is_stdout(tmp_path):
     the replaced one); it is now '-': the JSON on stdout, the table on stderr."""
     out = tmp_path / "out.txt"
     with out.open("w") as stdout:
-        done = subprocess.run([sys.executable, "-P", "-m", "pycoll", *TINY_BENCH, "--json",
+        done = subprocess.run([*PYTHON, "-m", "pycoll", *TINY_BENCH, "--json",
                                "/dev/stdout"], stdout=stdout, stderr=subprocess.PIPE,
                               text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -7,10 +7,10 @@ import logging
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import PYTHON
 
 import pycoll
 from pycoll import model, select
@@ -259,11 +259,11 @@ def test_a_bad_setting_read_at_import_is_raised_where_a_communicator_is_made(
     code = ("import pycoll\n"
             "try:\n    pycoll.run_local(2, lambda: None)\n"
             "except ValueError as error:\n    print(error)")
-    run = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
+    run = subprocess.run([*PYTHON, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == f"{name}={value!r} is invalid; allowed: {allowed}"
-    cli = [sys.executable, "-P", "-m", "pycoll"]
+    cli = [*PYTHON, "-m", "pycoll"]
     run = subprocess.run([*cli, "--help"], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "usage: pycoll" in run.stdout, run.stderr
     for command in (["bench", "-e", "8"], ["demo"]):
