@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from dataclasses import dataclass, replace
 
 from pycoll import agree, model
@@ -220,6 +221,17 @@ def estimate(collective, family, nranks, nsegments, root, topology, itemsize, co
     around it. So a size sweep plays each schedule about once per size, whatever the rank
     count, and a new size costs about a millisecond to plan (a symmetric schedule is played
     on one rank: ``model.seconds``)."""
+    with _PRICING:
+        return _estimate(collective, family, nranks, nsegments, root, topology, itemsize,
+                         count)
+
+
+# In-process ranks price the same calls at once: one thread at a time, so that the others
+# find what it priced in the caches (33 ranks each pricing their first plan took 15 s, not 1)
+_PRICING = threading.RLock()
+
+
+def _estimate(collective, family, nranks, nsegments, root, topology, itemsize, count) -> float:
     key = (collective, family, nranks, nsegments, root, topology.ranks_per_node)
     nchunks = model.chunks_of(collective, family, nranks, nsegments, root,
                               topology.ranks_per_node)

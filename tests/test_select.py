@@ -368,3 +368,22 @@ def test_a_plan_lists_each_family_once_per_distinct_time(monkeypatch):
     assert {c.algorithm for c in plan.candidates} >= {"hierarchical", "halving_doubling"}
     assert [c.nsegments for c in plan.candidates if c.algorithm == "halving_doubling"] == [1]
     assert len([c for c in plan.candidates if c.algorithm == "ring"]) > 1  # it pipelines
+
+
+def test_in_process_ranks_price_a_call_once_between_them(monkeypatch):
+    """Every in-process rank prices its first call of a shape at once, each its own pricing
+    racing the others' before the cache held any (a plan at 33 ranks took 15 s, not 1 s):
+    they take turns, and each price is computed once."""
+    priced = []
+    real = model.seconds
+
+    def seconds(*args, **kwargs):
+        priced.append(repr(args))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "seconds", seconds)
+    select._exact.cache_clear()
+    choices = pycoll.run_local(
+        6, lambda: pycoll.plan("allreduce", 6 * 8 * 1000, dtype="float64").algorithm)
+    assert len(set(choices)) == 1
+    assert priced and len(priced) == len(set(priced)), len(priced) - len(set(priced))
