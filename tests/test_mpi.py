@@ -53,6 +53,7 @@ def test_every_collective_under_mpiexec(script, summary, nranks):
 
 FIRST_STEPS_LATE = """
 import numpy as np, pycoll
+from mpi4py import MPI
 
 def attempt(name, call):
     if comm.rank == 1:  # never comes
@@ -63,11 +64,17 @@ def attempt(name, call):
     except pycoll.CollectiveTimeout as late:
         print(f"rank {comm.rank} {name}: {late}", flush=True)
 
+def in_step():
+    # rank 1 is a timeout ahead of the others (it skipped the call they timed out in), and
+    # making a communicator waits for the others only that long too
+    MPI.COMM_WORLD.Barrier()
+    return pycoll.Communicator()
+
 comm = pycoll.Communicator()
 attempt("first", lambda: pycoll.allreduce(np.ones(3), comm=comm))
-comm = pycoll.Communicator()
+comm = in_step()
 attempt("split", lambda: comm.split(0))
-comm = pycoll.Communicator()
+comm = in_step()
 pycoll.allreduce(np.ones(3), comm=comm)
 attempt("empty", lambda: pycoll.empty(4, comm=comm))
 """
