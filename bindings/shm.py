@@ -53,6 +53,7 @@ CMA_MIN_BYTES = 64 << 10  # from here on, a plain array is read from its owner's
 CMA_PIECE = 256 << 10  # a reduction reads a peer's array in pieces this large (cache-sized)
 MIN_PIECE = 4096  # less contiguous room than this before the ring's end: wrap instead
 SPINS = 200  # polls before a waiting rank starts yielding its core
+PAGE = 4096  # what the OS maps at a time: MPI gives each rank's part of a window whole pages
 RING_BYTES = 8 << 20  # per peer: the stream to that peer
 SMALL_BYTES = 2 << 20  # one-shot AllReduce slot; larger calls take the schedules
 MAX_ENV_BYTES = 1 << 30  # the most either may be set to (each is per rank or per peer)
@@ -296,7 +297,7 @@ class SharedMemoryTransport:
         count = len(self.local)
         # Fault every page this rank will use in now, not one at a time inside collectives
         # (and so that the resident set does not creep up as the rings first fill).
-        page = 4096
+        page = PAGE
         for i, ring in enumerate(self._out):
             if i != self._me:
                 ring[::page] = 0
@@ -719,6 +720,15 @@ class _Layout:
 def segment_bytes(count: int, ring_bytes: int = RING_BYTES, small_bytes: int = SMALL_BYTES) -> int:
     """Bytes of one rank's segment for a node of ``count`` ranks."""
     return _Layout(count, ring_bytes, small_bytes).bytes
+
+
+def node_bytes_touched(count: int, ring_bytes: int = RING_BYTES,
+                       small_bytes: int = SMALL_BYTES) -> int:
+    """Bytes of memory the segments of a node of ``count`` ranks take once touched: a rank's
+    ring to itself never is (no pages); none where a rank is alone."""
+    if count < 2:
+        return 0
+    return (segment_bytes(count, ring_bytes, small_bytes) - ring_bytes) * count
 
 
 def available_memory() -> int | None:

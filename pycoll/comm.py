@@ -423,10 +423,8 @@ class Communicator:
             # on pycoll's duplicate: this runs in the first collective, maybe on the async
             # worker, beside the program's own calls on its communicator
             self._node_comm = self.transport.comm.Split(nodes[self.rank], self.rank)
-            per_rank = shm.segment_bytes(len(local), ring, small)
-            # a rank's ring to itself is never touched: no pages
-            touched = (per_rank - ring) * len(local) if len(local) > 1 else 0
-            short = self._short_of_shared_memory(nodes, touched)
+            short = self._short_of_shared_memory(
+                nodes, shm.node_bytes_touched(len(local), ring, small))
             if short:  # seen alike by every rank: all take messages, or all raise
                 said = (f"shared memory for host arrays needs {short}: give the node more "
                         "(docker run --shm-size), or lower PYCOLL_SHM_RING_BYTES (now "
@@ -441,7 +439,7 @@ class Communicator:
                 return self.transport
             if len(local) == 1:
                 return self.transport
-            segments = shm.MpiSegments(self._node_comm, per_rank)
+            segments = shm.MpiSegments(self._node_comm, shm.segment_bytes(len(local), ring, small))
             # A rank that dies takes the MPI job down; what a wait in shared memory owes MPI
             # is progress: MPICH moves a large message only while its receiver calls MPI, and
             # a Send into this rank's posted Recv would wait for as long as this rank polls.
@@ -503,7 +501,7 @@ class Communicator:
                     "(MPI runs out of context ids and crashes): reuse the arrays, or make "
                     "them on a sub-communicator and free() it")
             local = len(self._shared.local) if self._shared is not None else 0
-            pages = -(-max(1, count * dtype.itemsize) // _PAGE) * _PAGE
+            pages = -(-max(1, count * dtype.itemsize) // shm.PAGE) * shm.PAGE
             short = self._short_of_shared_memory(self.nodes(), pages * local)
             if short:  # touching it would kill the ranks with SIGBUS
                 raise MemoryError(
@@ -897,9 +895,6 @@ def _transport_mode(name: str, allowed: tuple[str, ...]) -> str:
     if mode not in allowed:
         raise ValueError(f"{name}={mode!r} is invalid; allowed: {', '.join(allowed)}")
     return mode
-
-
-_PAGE = 4096  # MPI gives each rank's part of a shared window whole pages
 
 
 def _mib(nbytes: int) -> str:
