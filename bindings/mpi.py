@@ -28,7 +28,34 @@ def launched_by_mpi() -> bool:
     forced = switch("PYCOLL_MPI", None)
     if forced is not None:
         return forced
-    return any(name in os.environ for name in _LAUNCHER_VARIABLES)
+    return any(name in os.environ for name in _LAUNCHER_VARIABLES) and not _launcher_gone()
+
+
+def _launcher_gone() -> bool:
+    """Whether this process inherited a launcher's variables but not its connection: MPICH's
+    launcher hands each rank a socket, named by PMI_FD, which a child the rank starts does not
+    get (subprocess closes it); MPI_Init would fail there on a bad file descriptor, and such
+    a child is no rank (a program's helper), so it runs as a world of one."""
+    fd = os.environ.get("PMI_FD", "")
+    if not fd.isdigit():
+        return False
+    try:
+        os.fstat(int(fd))
+    except OSError:
+        return True
+    return False
+
+
+def launch_size() -> int | None:
+    """The rank count the launcher's variables give, read without starting MPI; None where
+    they give none (or this is no MPI launch)."""
+    if not launched_by_mpi():
+        return None
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def mpi():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -139,14 +140,18 @@ def describe(rows: list[dict], names: list[str], rank: int) -> str:
 
 def holders(rows: list[dict], names: list[str]) -> str:
     """Each field of ``names`` with the ranks that hold each of its values."""
-    parts = []
-    for name in names:
-        ranks_of: dict[str, list[int]] = {}
-        for r, row in enumerate(rows):
-            ranks_of.setdefault(_key(row.get(name)), []).append(r)
-        values = "; ".join(f"{value} on {_ranks(ranks)}" for value, ranks in ranks_of.items())
-        parts.append(f"{name}: {values}")
-    return " | ".join(parts)
+    return " | ".join(f"{name}: " + "; ".join(ranks_holding([row.get(name) for row in rows]))
+                      for name in names)
+
+
+def ranks_holding(values: list[Any], show: Callable[[Any], str] | None = None) -> list[str]:
+    """Each distinct value of ``values`` (rank r's at ``values[r]``), as ``show`` writes it
+    (JSON by default), with the ranks that hold it: ["3 on rank 0", "4 on ranks 1, 2"]."""
+    show = show or _key
+    ranks_of: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks_of.setdefault(show(value), []).append(rank)
+    return [f"{value} on {_ranks(ranks)}" for value, ranks in ranks_of.items()]
 
 
 def _key(value: Any) -> str:

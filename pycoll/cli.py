@@ -190,15 +190,18 @@ def _ranks_flag(ranks: int | None) -> None:
         return
     if ranks < 1:
         raise ValueError(f"--ranks={ranks}; allowed: an int >= 1 (in-process ranks)")
-    from pycoll.bindings.mpi import launched_by_mpi
+    from pycoll.bindings.mpi import launch_size
 
-    if launched_by_mpi():
-        size = _mpi_world().Get_size()
-        if size > 1:
-            raise ValueError(
-                f"--ranks={ranks} runs in-process ranks, but this is one of {size} MPI "
-                "processes; allowed: mpiexec (its processes are the ranks) or --ranks, not both"
-            )
+    # read off the launcher's variables, without starting MPI, which an in-process command
+    # does not need (a shell or a child process may hold a launcher's leftover variables)
+    size = launch_size()
+    if size is not None and size > 1:
+        raise ValueError(
+            f"--ranks={ranks} runs in-process ranks, but this is one of {size} MPI "
+            "processes; allowed: mpiexec (its processes are the ranks) or --ranks, not both "
+            "(PYCOLL_MPI=0 where this process is no MPI rank but inherited a launcher's "
+            "environment)"
+        )
 
 
 def _stop_every_rank(code: int) -> None:
@@ -284,7 +287,7 @@ def _command_line_ok(command: str, error: Exception | None,
     Good command lines must also agree: ``args`` (but the output paths, written by rank 0)
     and the PYCOLL_* settings that decide the messages (a rank timing more sizes, or more
     iterations, than its peers would wait for them forever)."""
-    from pycoll.bindings.mpi import launched_by_mpi
+    from pycoll.bindings.mpi import launch_size, launched_by_mpi
     from pycoll.comm import settings_disagreement, shared_settings
 
     error = _settings_error() or error  # a bad setting first: the rest may follow from it
@@ -293,7 +296,8 @@ def _command_line_ok(command: str, error: Exception | None,
                                        if name not in _OUTPUT_PATHS}
     mine = (message, shared_settings() if error is None else None, options)
     gathered, rank = [mine], 0
-    if launched_by_mpi():
+    in_process = getattr(args, "ranks", None) is not None
+    if launched_by_mpi() and not (in_process and (launch_size() or 1) == 1):
         try:
             world = _mpi_world()
             rank = world.Get_rank()

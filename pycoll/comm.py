@@ -862,13 +862,9 @@ def differences(tables: list[dict[str, Any]], label: Callable[[str], str] = str)
     ``label`` and each value with the ranks that have it."""
     parts = []
     for name in tables[0]:
-        ranks_of: dict[str, list[int]] = {}
-        for rank, table in enumerate(tables):
-            ranks_of.setdefault(repr(table.get(name)), []).append(rank)
-        if len(ranks_of) > 1:
-            parts.append(f"{label(name)} " + ", ".join(
-                f"{value} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-                for value, ranks in ranks_of.items()))
+        held = agree.ranks_holding([table.get(name) for table in tables], repr)
+        if len(held) > 1:
+            parts.append(f"{label(name)} " + ", ".join(held))
     return parts
 
 
@@ -1155,8 +1151,12 @@ def _abort_job_on_uncaught_exception() -> None:
         return
     _abort_installed = True
     previous, previous_in_thread = sys.excepthook, threading.excepthook
+    rank_process = os.getpid()  # a child it forks (a DataLoader's worker) inherits the hooks
 
     def abort(kind, error, traceback, report=None):
+        if os.getpid() != rank_process:  # no rank, and no peer waits for it: Python's way
+            return previous(kind, error, traceback) if report is None else (
+                previous_in_thread(report))
         # The one-line reason first: when the job is torn down, the launcher may drop the
         # rest of a rank's output; the pause gives it time to forward what was written.
         print(f"pycoll: rank {everyone.Get_rank()} raised {kind.__name__}: {error}; aborting "

@@ -191,6 +191,58 @@ def test_a_bad_setting_on_one_rank_stops_every_rank_and_is_said_once(command, se
     assert f"pycoll {command} (rank 0): {said}" in done.stderr
 
 
+# A closed descriptor in the child: subprocess closes every inherited one but 0, 1 and 2
+_CLOSED_FD = "250"
+
+
+@pytest.mark.parametrize("left_over", [
+    {"PMIX_RANK": "0"},  # no size among them
+    {"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": _CLOSED_FD},  # a rank's child's environment
+])
+def test_in_process_ranks_need_no_mpi_where_a_launchers_variables_are_left_over(left_over):
+    """`pycoll bench --ranks 2` started MPI to learn the job's size whenever a launcher's
+    variables were set, and died in MPI_Init where they were left over (a shell of srun's, a
+    process a rank started): --ranks needs no MPI, and the size is read off the variables."""
+    env = {**os.environ, **left_over}
+    env.pop("PYCOLL_MPI", None)
+    done = subprocess.run([*PYTHON, "-m", "pycoll", "bench", "allreduce", "--ranks", "2", "-b",
+                           "8", "-e", "8", "-n", "1", "-w", "0"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 ranks (in-process)" in done.stdout + done.stderr
+
+
+def test_a_process_a_rank_starts_is_a_world_of_one():
+    """MPICH's launcher hands each rank a socket (PMI_FD) that a child process does not get:
+    MPI_Init failed there on a bad file descriptor; such a child is a world of one."""
+    env = {**os.environ, "PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": _CLOSED_FD}
+    env.pop("PYCOLL_MPI", None)
+    done = subprocess.run([*PYTHON, "-c", "import numpy, pycoll; print(pycoll.world().size, "
+                           "pycoll.allreduce(numpy.arange(3)).tolist())"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["1", "[0,", "1,", "2]"], done.stdout
+
+
+def test_a_launchers_socket_tells_a_rank_from_a_process_that_inherited_its_variables(
+        monkeypatch):
+    from pycoll.bindings import mpi
+
+    monkeypatch.delenv("PYCOLL_MPI", raising=False)
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "3")
+    reading, writing = os.pipe()
+    try:
+        monkeypatch.setenv("PMI_FD", str(writing))
+        assert mpi.launched_by_mpi() and mpi.launch_size() == 3
+    finally:
+        os.close(reading)
+        os.close(writing)
+    assert not mpi.launched_by_mpi() and mpi.launch_size() is None  # the socket closed
+    monkeypatch.setenv("PYCOLL_MPI", "1")
+    assert mpi.launched_by_mpi()
+
+
 def test_a_data_mover_times_every_dtype_against_native_mpi_as_bytes(tmp_path):
     """mpi4py has no bfloat16 (and MPI no half-precision reductions): AllGather, Broadcast
     and AllToAll move bytes, so --against mpi times them on every dtype."""

@@ -561,6 +561,39 @@ def test_a_failing_rank_ends_the_job_quickly(mode):
     assert time.monotonic() - started < 60
 
 
+FORKED_HELPER = """
+import multiprocessing, os, threading, numpy as np, pycoll
+def helper():  # a forked worker (a DataLoader's): no rank, though it inherits the hooks
+    failing = threading.Thread(target=lambda: 1 / 0)
+    failing.start()
+    failing.join()
+    print("helper", "carried on", flush=True)
+if __name__ == "__main__":
+    rank = pycoll.world().rank
+    pycoll.allreduce(np.ones(4))  # the world made: the hook that ends the job installed
+    if rank == 0:
+        child = multiprocessing.get_context("fork").Process(target=helper)
+        child.start()
+        child.join()
+        print("helper", "exit", child.exitcode, flush=True)
+    print("rank", rank, "after", pycoll.allreduce(np.ones(4)).tolist(), flush=True)
+"""
+
+
+def test_a_forked_helpers_failing_thread_does_not_end_the_job(tmp_path):
+    """A thread of a process that a rank forks raised: the child inherited the hook that ends
+    the job on an uncaught error, and ended it, blaming the rank. Python prints the traceback
+    and goes on, and so must the job: nobody waits for a helper."""
+    program = tmp_path / "forked_helper.py"
+    program.write_text(FORKED_HELPER)
+    done = launch(2, str(program), timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "aborting the job" not in output and "ZeroDivisionError" in output, output
+    assert output.count("helper carried on") == 1 and "helper exit 0" in output, output
+    assert output.count("after [2.0, 2.0, 2.0, 2.0]") == 2, output
+
+
 MANY_WINDOWS = """
 import numpy as np, pycoll
 from pycoll.bindings import shm
