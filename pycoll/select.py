@@ -171,6 +171,8 @@ def plan_for(
             families, reason = [forced], f"forced by {ALGO_ENV}"
     else:
         families, reason = [algorithm], f"algorithm={algorithm!r}"
+    if families is not None and node_aware(families[0]) and not spans_nodes(topology, nranks):
+        reason += ", run as its flat schedule (the ranks are not in several equal nodes)"
     segments = None
     if FORCED_SEGMENTS is not None:
         # more segments than elements add only empty messages (100 000 took a minute)

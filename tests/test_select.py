@@ -52,6 +52,23 @@ def test_latency_picks_few_messages_and_bandwidth_picks_the_ring(monkeypatch, tm
     assert str(path) in small.topology or small.topology == slow_start.name
 
 
+@pytest.mark.parametrize("nranks,per_node,flat", [(3, None, True), (5, "2", True),
+                                                   (4, "2", False), (6, "3", False)])
+def test_plan_says_where_a_node_aware_family_runs_as_its_flat_schedule(
+        monkeypatch, nranks, per_node, flat):
+    """Asked for on one node or on nodes of unequal size, hierarchical runs its flat ring
+    (as explain said); plan and PYCOLL_DEBUG named it without saying so."""
+    if per_node is None:
+        monkeypatch.delenv("PYCOLL_RANKS_PER_NODE", raising=False)
+    else:
+        monkeypatch.setenv("PYCOLL_RANKS_PER_NODE", per_node)
+    for family in ("hierarchical", "hierarchical_tree"):
+        plan = plan_on(nranks, "allreduce", 800, algorithm=family)
+        assert plan.algorithm == family
+        assert ("run as its flat schedule" in plan.reason) == flat, plan.reason
+    assert "flat" not in plan_on(nranks, "allreduce", 800, algorithm="ring").reason
+
+
 def test_pycoll_algo_forces_a_family_globally_or_per_collective(monkeypatch):
     monkeypatch.setenv(select.ALGO_ENV, "tree")
     assert plan_on(4, "allreduce", 1 << 20).algorithm == "tree"
