@@ -55,6 +55,7 @@ class Communicator:
     """
 
     def __init__(self, mpi_comm: Any = None):
+        _require_mpi_running()
         # first: a rank whose settings are bad raises below, alone, while its peers go on to
         # make the world together; uncaught, its error must end the job, not leave them
         _abort_job_on_uncaught_exception()
@@ -102,6 +103,8 @@ class Communicator:
     def _attach(self, transport: Transport, p2p: Transport) -> None:
         self.transport = transport
         self.p2p = p2p
+        # any thread may call MPI (MPI_THREAD_MULTIPLE), or this is no MPI communicator
+        self.threads_may_call_mpi = self.mpi_comm is None or mpi_thread_level() == "multiple"
         self.rank = transport.rank
         self.size = transport.size
         self._sequence = 0
@@ -144,13 +147,11 @@ class Communicator:
 
         queue = self.queue if lane is None else self.lanes.get(lane)
         if queue is None:
-            if self.mpi_comm is not None:
-                MPI = mpi()
-                if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-                    raise RuntimeError(
-                        "async_op=True needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's "
-                        f"default); this process has thread level {MPI.Query_thread()}"
-                    )
+            if not self.threads_may_call_mpi:
+                raise RuntimeError(
+                    "async_op=True needs MPI initialised with MPI_THREAD_MULTIPLE "
+                    "(mpi4py.rc.thread_level = 'multiple', mpi4py's default); this process "
+                    f"has MPI_THREAD_{mpi_thread_level().upper()}")
             world = getattr(self.transport, "world", None)  # in-process only
             queue = AsyncQueue(world, getattr(self.transport, "world_rank", 0))
             if lane is None:
@@ -690,7 +691,8 @@ class Communicator:
         if self.mpi_comm is not None:
             MPI = mpi()
             self.all_arrive("split")
-            child = self.mpi_comm.Split(MPI.UNDEFINED if color is None else color, key)
+            # on pycoll's duplicate: the user may have freed the communicator it wraps
+            child = self.transport.comm.Split(MPI.UNDEFINED if color is None else color, key)
             if child == MPI.COMM_NULL:
                 return None
             made = Communicator(child)
@@ -1133,6 +1135,27 @@ def world() -> Communicator:
 _abort_installed = False
 
 
+def _require_mpi_running() -> None:
+    """Raise, naming the fix, where MPI is not running: mpi4py started with
+    ``rc.initialize = False`` and no ``MPI.Init`` yet, or after ``MPI.Finalize()`` (every MPI
+    call there kills the process without a Python error)."""
+    MPI = mpi()
+    if MPI.Is_finalized():
+        raise RuntimeError("MPI is finalized (MPI.Finalize() was called): pycoll cannot make a "
+                           "communicator over MPI after it")
+    if not MPI.Is_initialized():
+        raise RuntimeError("MPI is not initialized (mpi4py.rc.initialize = False): call "
+                           "MPI.Init() or MPI.Init_thread() before pycoll's first call")
+
+
+def mpi_thread_level() -> str:
+    """MPI's thread support in this process, as mpi4py.rc.thread_level names it."""
+    MPI = mpi()
+    level = MPI.Query_thread()
+    return {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+            MPI.THREAD_SERIALIZED: "serialized"}.get(level, "multiple")
+
+
 def abort_job(code: int) -> None:
     """End every rank of the MPI job with ``code``, after a pause that gives the launcher
     time to forward what this rank wrote (the job's teardown may drop the rest)."""
@@ -1154,7 +1177,8 @@ def _abort_job_on_uncaught_exception() -> None:
     rank_process = os.getpid()  # a child it forks (a DataLoader's worker) inherits the hooks
 
     def abort(kind, error, traceback, report=None):
-        if os.getpid() != rank_process:  # no rank, and no peer waits for it: Python's way
+        if os.getpid() != rank_process or MPI.Is_finalized():
+            # no rank, and no peer waits for it; or MPI is over, and no job to end: Python's
             return previous(kind, error, traceback) if report is None else (
                 previous_in_thread(report))
         # The one-line reason first: when the job is torn down, the launcher may drop the

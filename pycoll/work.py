@@ -121,6 +121,10 @@ class Posted(Work):
         self._transport, self._request, self._message = transport, request, message
         self._result, self._error, self._comm = result, error, comm
         self._waited = error is not None
+        # below MPI_THREAD_MULTIPLE only the posting thread may ask MPI about it (another's
+        # MPI_Wait beside this thread's next call crashed MPICH)
+        self._poster = (None if comm is None or comm.threads_may_call_mpi
+                        else threading.get_ident())
 
     @property
     def _what(self) -> str:
@@ -128,7 +132,20 @@ class Posted(Work):
         return f"{'send to' if sending else 'recv from'} rank {peer} (tag {tag})"
 
     def done(self) -> bool:
-        return self._waited or self._transport.test(self._request)
+        if self._waited:
+            return True
+        self._on_the_posting_thread("done()")
+        return self._transport.test(self._request)
+
+    def _on_the_posting_thread(self, call: str) -> None:
+        if self._poster is not None and self._poster != threading.get_ident():
+            from pycoll.comm import mpi_thread_level
+
+            raise RuntimeError(
+                f"{self._what}: {call} from a thread other than the one that posted it needs "
+                "MPI_THREAD_MULTIPLE (mpi4py.rc.thread_level = 'multiple', mpi4py's default); "
+                f"this process has MPI_THREAD_{mpi_thread_level().upper()}: call it on the "
+                "posting thread")
 
     def __del__(self) -> None:
         # Dropped unwaited (torch's isend allows it): the transport's bookkeeping for its
@@ -140,6 +157,7 @@ class Posted(Work):
 
     def wait(self) -> Any:
         if not self._waited:
+            self._on_the_posting_thread("wait()")
             try:
                 self._transport.waitall([self._request])
             except WaitTimeout as late:

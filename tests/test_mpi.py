@@ -594,6 +594,100 @@ def test_a_forked_helpers_failing_thread_does_not_end_the_job(tmp_path):
     assert output.count("after [2.0, 2.0, 2.0, 2.0]") == 2, output
 
 
+MPI4PY_SETTINGS = """
+import sys, threading, mpi4py
+mode = sys.argv[1]
+if mode == "serialized":
+    mpi4py.rc.thread_level = "serialized"
+if mode == "no-init":
+    mpi4py.rc.initialize = False
+from mpi4py import MPI
+import numpy as np, pycoll
+if mode == "serialized":
+    rank = pycoll.world().rank
+    try:
+        pycoll.allreduce(np.ones(2), async_op=True)
+    except RuntimeError as error:
+        print("async collective:", error, flush=True)
+    if rank == 0:
+        pycoll.send(np.arange(5.0), 1, tag=3)
+        pycoll.send(np.arange(5.0) + 1, 1, tag=4)
+    else:
+        posted = pycoll.recv(np.zeros(5), 0, tag=3, async_op=True)
+        said = []
+        def elsewhere():
+            try:
+                posted.wait()
+            except RuntimeError as error:
+                said.append(str(error))
+        helper = threading.Thread(target=elsewhere)
+        helper.start()
+        helper.join()
+        print("other thread:", *said, flush=True)
+        print("posting thread:", posted.wait().tolist(), flush=True)
+        print("blocking:", pycoll.recv(np.zeros(5), 0, tag=4).tolist(), flush=True)
+    print(f"serialized total {pycoll.allreduce(np.arange(3.0)).tolist()}", flush=True)
+elif mode == "no-init":
+    try:
+        pycoll.allreduce(np.ones(2))
+    except RuntimeError as error:
+        print("not initialized:", error, flush=True)
+    MPI.Init()
+    print("after Init", pycoll.allreduce(np.ones(2)).tolist(), flush=True)
+elif mode == "freed":
+    mine = MPI.COMM_WORLD.Dup()
+    wrapped = pycoll.Communicator(mine)
+    mine.Free()  # pycoll's duplicates go on
+    half = wrapped.split(color=0)
+    print(f"freed split {pycoll.allreduce(np.ones(2), comm=half).tolist()}", flush=True)
+elif mode == "finalized":
+    pycoll.world()
+    MPI.Finalize()
+    raise RuntimeError("the program's own error, after MPI.Finalize")
+"""
+
+
+@pytest.mark.parametrize("mode,says", [
+    ("serialized", ["async collective: async_op=True needs MPI initialised with "
+                    "MPI_THREAD_MULTIPLE (mpi4py.rc.thread_level = 'multiple', mpi4py's "
+                    "default); this process has MPI_THREAD_SERIALIZED",
+                    "other thread: recv from rank 0 (tag 3): wait() from a thread other than "
+                    "the one that posted it needs MPI_THREAD_MULTIPLE",
+                    "posting thread: [0.0, 1.0, 2.0, 3.0, 4.0]",
+                    "blocking: [1.0, 2.0, 3.0, 4.0, 5.0]"]),
+    ("no-init", ["not initialized: MPI is not initialized (mpi4py.rc.initialize = False): "
+                 "call MPI.Init()", "after Init [2.0, 2.0]"]),
+    ("freed", ["freed split [2.0, 2.0]"]),  # (one print per line: the ranks' lines interleave)
+])
+def test_mpi4py_settings_and_the_users_own_communicators(tmp_path, mode, says):
+    """From a helper's hunt: below MPI_THREAD_MULTIPLE a posted Recv waited on another thread
+    crashed MPICH (its MPI_Wait beside the main thread's calls); with mpi4py.rc.initialize
+    False a first call killed the process in MPI with no Python error; split failed on a
+    wrapped communicator the user had freed (it split the user's handle, not pycoll's)."""
+    program = tmp_path / "settings.py"
+    program.write_text(MPI4PY_SETTINGS)
+    done = launch(2, str(program), mode, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for said in says:
+        assert said in output, output
+    went_on = {"serialized": "serialized total [0.0, 2.0, 4.0]", "freed": "freed split [2.0, 2.0]"}
+    if mode in went_on:
+        assert output.count(went_on[mode]) == 2, output  # both ranks went on
+
+
+def test_an_error_after_mpi_finalize_is_said_as_python_says_it(tmp_path):
+    """The hook that ends the job asked the finalized MPI for the rank first: MPICH killed
+    the process, and the program's own error and traceback were never printed."""
+    program = tmp_path / "settings.py"
+    program.write_text(MPI4PY_SETTINGS)
+    done = launch(2, str(program), "finalized", timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert output.count("RuntimeError: the program's own error, after MPI.Finalize") == 2, output
+    assert "Traceback" in output and "after finalizing" not in output, output
+
+
 MANY_WINDOWS = """
 import numpy as np, pycoll
 from pycoll.bindings import shm
