@@ -33,6 +33,9 @@ _ONE_SHOT = "one shot"  # how a remembered call ran: every rank's x through shar
 # Enum members as module constants for the one-shot's hot path: in CPython 3.11,
 # ``ReduceOp.AVG`` is a Python-level lookup on the Enum class (about 0.1 us each)
 _ALLREDUCE, _AVG = Collective.ALLREDUCE, ReduceOp.AVG
+# What may stop a rank midway through a call (Ctrl-C; a signal handler's sys.exit), leaving
+# its peers in it: the communicator is then broken (Communicator.interrupted)
+_INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 @verify.verified("allreduce")
@@ -202,6 +205,9 @@ def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndar
         raise comm.timed_out(f"{name} (one-shot)", late) from None
     except ChannelsCrossed as error:
         raise comm.broken_by(error) from None
+    except _INTERRUPTS as stop:
+        comm.interrupted(name, stop)
+        raise
     if select.DEBUG and not comm.agreeing:  # an AllGather's size is its output's, as plan's
         select.report_one_shot(name, sum(p.nbytes for p in parts)
                                if collective is Collective.ALLGATHER else x.nbytes,
@@ -1227,6 +1233,9 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
             # prepared once for every tag: this call's, as an async Send/Recv names it
             error = type(error)(f"{call.what} (tag {tag}){said[len(call.what):]}")
         raise comm.broken_by(error) from None
+    except _INTERRUPTS as stop:
+        comm.interrupted(call.what, stop)
+        raise
 
 
 # A kept host call's own scratch, at most (larger ones borrow comm.buffer's per call): the
@@ -1299,6 +1308,9 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
         raise comm.broken_by(CollectiveTimeout(f"{what}: {late}")) from None
     except ChannelsCrossed as error:  # the shared-memory exchange, with a peer in the rings
         raise comm.broken_by(error) from None
+    except _INTERRUPTS as stop:
+        comm.interrupted(what, stop)
+        raise
 
 
 def _prepare(comm: Communicator, key: tuple) -> PreparedCall:

@@ -404,6 +404,13 @@ class Communicator:
             f"{what}: rank {self.rank} waited {late.seconds:g} s for rank(s) "
             f"{', '.join(map(str, late.peers))}"))
 
+    def interrupted(self, what: str, stop: BaseException) -> None:
+        """Mark this communicator broken: ``stop`` (KeyboardInterrupt, SystemExit) ended this
+        rank's part in ``what`` midway, while its peers may still be in it; a later call would
+        pair with theirs (and the one-shot's slot be written twice), as after a timeout."""
+        self.broken = (f"{what} was interrupted by {type(stop).__name__} midway, and the other "
+                       "ranks may still be in it")
+
     def broken_by(self, error: Exception) -> Exception:
         """Mark this communicator broken by ``error`` (later calls fail at once, saying why);
         returns ``error``."""

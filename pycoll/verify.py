@@ -223,6 +223,9 @@ def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = 
         raise comm.timed_out(f"{name} (verification)", late) from None
     except ChannelsCrossed as error:  # a message left in a ring: no later call can run
         raise comm.broken_by(error) from None
+    except (KeyboardInterrupt, SystemExit) as stop:
+        comm.interrupted(f"{name} (verification)", stop)
+        raise
     return [g.view(mine.dtype) for g in got]
 
 

@@ -688,6 +688,58 @@ def test_an_error_after_mpi_finalize_is_said_as_python_says_it(tmp_path):
     assert "Traceback" in output and "after finalizing" not in output, output
 
 
+INTERRUPTED = """
+import signal, sys, threading, time, numpy as np, pycoll
+n = int(sys.argv[1])
+rank = pycoll.world().rank
+pycoll.allreduce(np.ones(n))
+if rank == 1:  # Ctrl-C while it waits for rank 0 in the second call, caught, then go on
+    main = threading.main_thread().ident
+    threading.Timer(1.0, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+    try:
+        pycoll.allreduce(np.full(n, 10.0))
+    except KeyboardInterrupt:
+        print("rank 1 interrupted", flush=True)
+    try:
+        pycoll.allreduce(np.full(n, 1000.0))
+        print("rank 1 went on", flush=True)
+    except RuntimeError as error:
+        print(f"rank 1 then: {error}", flush=True)
+else:
+    time.sleep(3)
+    try:  # what rank 1 published before Ctrl-C, or an error where it is gone: never 1020
+        got = pycoll.allreduce(np.full(n, 20.0))
+        print(f"rank 0 second call: {sorted(set(got.tolist()))}", flush=True)
+    except Exception as error:
+        print(f"rank 0 second call failed: {type(error).__name__}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("n,settings", [
+    (4, {}),  # the shared-memory one-shot
+    (300_000, {}),  # the shared-memory rings
+    (4, {"PYCOLL_HOST_TRANSPORT": "mpi", "PYCOLL_TIMEOUT": "60"}),  # polled MPI waits
+])
+def test_a_call_interrupted_midway_breaks_the_communicator(tmp_path, n, settings):
+    """A rank that caught KeyboardInterrupt in a collective its peer had yet to join went on
+    to the next call, which the late peer paired with the first: both got 1020 for 30 and
+    1100, silently (from a helper's hunt). Now the interrupted rank's communicator is broken,
+    as after a timeout, and says why."""
+    program = tmp_path / "interrupted.py"
+    program.write_text(INTERRUPTED)
+    done = launch(2, str(program), str(n), timeout=120, **settings)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "rank 1 interrupted" in output and "rank 1 went on" not in output, output
+    assert ("is broken (allreduce" in output and "was interrupted by KeyboardInterrupt midway, "
+            "and the other ranks may still be in it); make a new communicator" in output), output
+    if n == 4:  # rank 1's input was all in the one-shot's slot, or sent, before Ctrl-C
+        assert "rank 0 second call: [30.0]" in output, output
+    else:  # rank 1 has left the rings' steps it had yet to take
+        assert ("rank 0 second call: [30.0]" in output
+                or "rank 0 second call failed: PeerFailed" in output), output
+
+
 MANY_WINDOWS = """
 import numpy as np, pycoll
 from pycoll.bindings import shm
