@@ -1,5 +1,6 @@
 """pycoll: collective communication whose algorithms are readable, checked data."""
 
+from pycoll import _source_tree  # noqa: F401 - first: maps kernels/ and bindings/
 from pycoll.agree import CollectiveMismatch
 from pycoll.api import (
     allgather,

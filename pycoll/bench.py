@@ -608,7 +608,8 @@ class _Memory:
             devices = cupy.cuda.runtime.getDeviceCount()
         except Exception as error:  # noqa: BLE001 - ImportError, or CUDA's own errors
             raise RuntimeError(
-                f"--device cuda needs CuPy and an NVIDIA GPU (pip install -e '.[gpu]'): {error}"
+                f"--device cuda needs CuPy and an NVIDIA GPU (pip install cupy-cuda13x, pycoll's "
+                f"gpu extra): {error}"
             ) from error
         self.cupy = cupy
         local = 0

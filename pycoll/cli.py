@@ -542,7 +542,8 @@ def _compare(args: argparse.Namespace, argv: list[str] | None) -> int:
             link = f"\n![busbw against size]({prefix.rsplit('/', 1)[-1]}.png)\n"
             wrote = f" and {prefix}.png"
         except ImportError:  # matplotlib is an extra: the table stands without its plot
-            link, wrote = "", " (no plot: matplotlib is not installed; pip install 'pycoll[plot]')"
+            link, wrote = "", (" (no plot: matplotlib is not installed; pip install "
+                               "matplotlib, pycoll's plot extra)")
         with open(f"{prefix}.md", "w", encoding="utf-8") as f:
             f.write(text + "\n" + link)
     except OSError as error:  # the folder changed since it was checked
