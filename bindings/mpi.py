@@ -9,6 +9,7 @@ that a program that never runs under MPI never loads it.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from typing import Any
 
@@ -39,11 +40,10 @@ def _launcher_gone() -> bool:
     fd = os.environ.get("PMI_FD", "")
     if not fd.isdigit():
         return False
-    try:
-        os.fstat(int(fd))
+    try:  # closed, or its number reused by a file the child opened: the socket is gone
+        return not stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
     except OSError:
         return True
-    return False
 
 
 def launch_size() -> int | None:
@@ -51,7 +51,7 @@ def launch_size() -> int | None:
     they give none (or this is no MPI launch)."""
     if not launched_by_mpi():
         return None
-    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"):  # srun: PMIx
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)

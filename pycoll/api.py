@@ -1222,10 +1222,10 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
     if tag is None:  # the agreement's exchange: on a tag no collective takes
         tag = AGREEMENT_TAG if comm.agreeing else comm.next_tag()
     kept = call.kept
-    if kept is None or kept[2] != (source.size, target.size):  # (not kept: device calls)
-        kept = _player(comm, call, source, target)
-    play, scratch, _ = kept
     try:
+        if kept is None or kept[2] != (source.size, target.size):  # (not kept: device calls)
+            kept = _player(comm, call, source, target)  # may connect a device route: waits
+        play, scratch, _ = kept
         play(source, target, scratch, tag)
     except (CollectiveTimeout, ChannelsCrossed) as error:
         said = str(error)
@@ -1401,7 +1401,11 @@ def _empty_message(comm: Communicator, src: int, dst: int, tag: int) -> None:
     """Send/Recv of nothing, over the host endpoint whatever the array's memory: it orders
     with host messages of the same tag, and carries no data for a device stream to order."""
     sending = src == comm.rank
-    _post(comm, sending, np.empty(0, np.uint8), dst if sending else src, tag, None).wait()
+    try:
+        _post(comm, sending, np.empty(0, np.uint8), dst if sending else src, tag, None).wait()
+    except _INTERRUPTS as stop:  # its receive stays posted, for a later message of the tag
+        comm.interrupted("send" if sending else "recv", stop)
+        raise
 
 
 def _no_reduction(target: Array, incoming: Array) -> None:

@@ -150,8 +150,9 @@ class Communicator:
             if not self.threads_may_call_mpi:
                 raise RuntimeError(
                     "async_op=True needs MPI initialised with MPI_THREAD_MULTIPLE "
-                    "(mpi4py.rc.thread_level = 'multiple', mpi4py's default); this process "
-                    f"has MPI_THREAD_{mpi_thread_level().upper()}")
+                    "(mpi4py.rc.thread_level = 'multiple', mpi4py's default, or "
+                    "MPI.Init_thread(MPI.THREAD_MULTIPLE)); this process has "
+                    f"MPI_THREAD_{mpi_thread_level().upper()}")
             world = getattr(self.transport, "world", None)  # in-process only
             queue = AsyncQueue(world, getattr(self.transport, "world_rank", 0))
             if lane is None:
@@ -286,6 +287,9 @@ class Communicator:
             except WaitTimeout as late:  # in-process: a rank of the node did not come
                 raise self.timed_out("the first collective (connecting shared memory)",
                                       late) from None
+            except (KeyboardInterrupt, SystemExit) as stop:  # the peers go on making it
+                self.interrupted("the first collective (connecting shared memory)", stop)
+                raise
             self._host = host  # kept if the sharing below fails (an unreadable tuning file):
             self._apply_timeout()  # the scheduled calls' topology_for shares again, and raises
             if self.mpi_comm is not None and self.host_kind() not in self.topologies:
@@ -387,6 +391,9 @@ class Communicator:
                 transport.waitall(requests)
             except WaitTimeout as late:
                 raise self.timed_out(what, late) from None
+            except (KeyboardInterrupt, SystemExit) as stop:
+                self.interrupted(what, stop)
+                raise
             if round_ == "here" and (theirs != mine).any():  # seen by every rank: all raise
                 ranks_at: dict[int, list[int]] = {}
                 for rank, code in sorted([*zip(peers, theirs[:, 0].tolist()),
@@ -407,7 +414,11 @@ class Communicator:
     def interrupted(self, what: str, stop: BaseException) -> None:
         """Mark this communicator broken: ``stop`` (KeyboardInterrupt, SystemExit) ended this
         rank's part in ``what`` midway, while its peers may still be in it; a later call would
-        pair with theirs (and the one-shot's slot be written twice), as after a timeout."""
+        pair with theirs (and the one-shot's slot be written twice), as after a timeout.
+        A communicator of one rank has no peers in it: it goes on (Ctrl-C in a notebook must
+        not break the default world for good)."""
+        if self.size == 1:
+            return
         self.broken = (f"{what} was interrupted by {type(stop).__name__} midway, and the other "
                        "ranks may still be in it")
 
@@ -1152,7 +1163,8 @@ def _require_mpi_running() -> None:
                            "communicator over MPI after it")
     if not MPI.Is_initialized():
         raise RuntimeError("MPI is not initialized (mpi4py.rc.initialize = False): call "
-                           "MPI.Init() or MPI.Init_thread() before pycoll's first call")
+                           "MPI.Init_thread(MPI.THREAD_MULTIPLE) (or MPI.Init(), without async "
+                           "calls) before pycoll's first call")
 
 
 def mpi_thread_level() -> str:

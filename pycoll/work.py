@@ -137,13 +137,17 @@ class Posted(Work):
         self._on_the_posting_thread("done()")
         return self._transport.test(self._request)
 
+    def __repr__(self) -> str:  # not done(): logging it from another thread must not raise
+        return f"Work({self._what}, {'waited' if self._waited else 'posted'})"
+
     def _on_the_posting_thread(self, call: str) -> None:
         if self._poster is not None and self._poster != threading.get_ident():
             from pycoll.comm import mpi_thread_level
 
             raise RuntimeError(
                 f"{self._what}: {call} from a thread other than the one that posted it needs "
-                "MPI_THREAD_MULTIPLE (mpi4py.rc.thread_level = 'multiple', mpi4py's default); "
+                "MPI_THREAD_MULTIPLE (mpi4py.rc.thread_level = 'multiple', mpi4py's default, "
+                "or MPI.Init_thread(MPI.THREAD_MULTIPLE)); "
                 f"this process has MPI_THREAD_{mpi_thread_level().upper()}: call it on the "
                 "posting thread")
 

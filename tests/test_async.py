@@ -738,3 +738,65 @@ def test_an_async_failure_never_waited_is_said_not_lost(capfd):
     err = capfd.readouterr().err
     assert err.count("pycoll: an async allreduce failed and was never waited: "
                      "CollectiveTimeout: allreduce") == 1, err
+
+
+class _OneThreadMPI:
+    """What a Posted asks of its communicator below MPI_THREAD_MULTIPLE."""
+
+    threads_may_call_mpi = False
+
+
+class _NeverDone:
+    def test(self, request):
+        return False
+
+    def waitall(self, requests):
+        raise AssertionError("waited on a thread MPI forbids")
+
+
+def test_a_posted_message_below_thread_multiple_is_waited_on_its_posting_thread():
+    """Another thread's MPI_Wait beside the main thread's calls crashed MPICH (serialized);
+    such a wait or done() raises instead, naming the setting; repr may come from anywhere
+    (logging), so it asks MPI nothing."""
+    from pycoll.work import Posted
+
+    posted = Posted(_NeverDone(), object(), (False, 0, 3), None, comm=_OneThreadMPI())
+    seen: dict[str, str] = {}
+
+    def elsewhere():
+        seen["repr"] = repr(posted)
+        for call in ("wait", "done"):
+            try:
+                getattr(posted, call)()
+            except RuntimeError as error:
+                seen[call] = str(error)
+
+    helper = threading.Thread(target=elsewhere)
+    helper.start()
+    helper.join()
+    assert seen["repr"] == "Work(recv from rank 0 (tag 3), posted)"
+    for call in ("wait", "done"):
+        assert seen[call].startswith(f"recv from rank 0 (tag 3): {call}() from a thread other "
+                                     "than the one that posted it needs MPI_THREAD_MULTIPLE")
+    assert posted.done() is False  # on the posting thread: asked
+
+
+def test_ctrl_c_midway_breaks_a_communicator_with_peers_not_a_world_of_one():
+    """Ctrl-C in a notebook's call on the default world of one broke it for good (world()
+    gives the same one): with no peer left in the call, nothing needs breaking."""
+    alone = pycoll.world()
+    alone.interrupted("allreduce (ring)", KeyboardInterrupt())
+    assert alone.broken is None and pycoll.allreduce(np.ones(2)).tolist() == [1.0, 1.0]
+
+    def body():
+        comm = pycoll.world()
+        comm.interrupted("allreduce (ring)", KeyboardInterrupt())
+        try:
+            pycoll.allreduce(np.ones(2))
+        except RuntimeError as error:
+            return str(error)
+
+    for said in pycoll.run_local(2, body):
+        assert said.endswith("is broken (allreduce (ring) was interrupted by KeyboardInterrupt "
+                             "midway, and the other ranks may still be in it); make a new "
+                             "communicator")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -231,13 +232,13 @@ def test_a_launchers_socket_tells_a_rank_from_a_process_that_inherited_its_varia
     monkeypatch.delenv("PYCOLL_MPI", raising=False)
     monkeypatch.setenv("PMI_RANK", "0")
     monkeypatch.setenv("PMI_SIZE", "3")
-    reading, writing = os.pipe()
-    try:
-        monkeypatch.setenv("PMI_FD", str(writing))
+    ours, launchers = socket.socketpair()
+    with ours, launchers, open(os.devnull) as reused:
+        monkeypatch.setenv("PMI_FD", str(ours.fileno()))
         assert mpi.launched_by_mpi() and mpi.launch_size() == 3
-    finally:
-        os.close(reading)
-        os.close(writing)
+        monkeypatch.setenv("PMI_FD", str(reused.fileno()))  # the number, now a child's file
+        assert not mpi.launched_by_mpi()
+        monkeypatch.setenv("PMI_FD", str(ours.fileno()))
     assert not mpi.launched_by_mpi() and mpi.launch_size() is None  # the socket closed
     monkeypatch.setenv("PYCOLL_MPI", "1")
     assert mpi.launched_by_mpi()

@@ -439,7 +439,7 @@ def test_a_first_device_send_to_a_rank_that_never_receives_times_out():
                   PYCOLL_TIMEOUT="1")
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "send to rank 2 (connecting): rank 0 waited 1 s for rank(s) 2" in output, output
+    assert "send to rank 2 (tag 5) (connecting): rank 0 waited 1 s for rank(s) 2" in output, output
     assert "timeouts on 3 ranks: 3 of 3 named a peer" in output, output
 
 
@@ -567,7 +567,7 @@ def helper():  # a forked worker (a DataLoader's): no rank, though it inherits t
     failing = threading.Thread(target=lambda: 1 / 0)
     failing.start()
     failing.join()
-    print("helper", "carried on", flush=True)
+    print("helper carried on", flush=True)
 if __name__ == "__main__":
     rank = pycoll.world().rank
     pycoll.allreduce(np.ones(4))  # the world made: the hook that ends the job installed
@@ -575,8 +575,8 @@ if __name__ == "__main__":
         child = multiprocessing.get_context("fork").Process(target=helper)
         child.start()
         child.join()
-        print("helper", "exit", child.exitcode, flush=True)
-    print("rank", rank, "after", pycoll.allreduce(np.ones(4)).tolist(), flush=True)
+        print(f"helper exit {child.exitcode}", flush=True)
+    print(f"rank {rank} after {pycoll.allreduce(np.ones(4)).tolist()}", flush=True)
 """
 
 
@@ -608,7 +608,7 @@ if mode == "serialized":
     try:
         pycoll.allreduce(np.ones(2), async_op=True)
     except RuntimeError as error:
-        print("async collective:", error, flush=True)
+        print(f"async collective: {error}", flush=True)
     if rank == 0:
         pycoll.send(np.arange(5.0), 1, tag=3)
         pycoll.send(np.arange(5.0) + 1, 1, tag=4)
@@ -623,17 +623,17 @@ if mode == "serialized":
         helper = threading.Thread(target=elsewhere)
         helper.start()
         helper.join()
-        print("other thread:", *said, flush=True)
-        print("posting thread:", posted.wait().tolist(), flush=True)
-        print("blocking:", pycoll.recv(np.zeros(5), 0, tag=4).tolist(), flush=True)
+        print(f"other thread: {' '.join(said)}", flush=True)
+        print(f"posting thread: {posted.wait().tolist()}", flush=True)
+        print(f"blocking: {pycoll.recv(np.zeros(5), 0, tag=4).tolist()}", flush=True)
     print(f"serialized total {pycoll.allreduce(np.arange(3.0)).tolist()}", flush=True)
 elif mode == "no-init":
     try:
         pycoll.allreduce(np.ones(2))
     except RuntimeError as error:
-        print("not initialized:", error, flush=True)
+        print(f"not initialized: {error}", flush=True)
     MPI.Init()
-    print("after Init", pycoll.allreduce(np.ones(2)).tolist(), flush=True)
+    print(f"after Init {pycoll.allreduce(np.ones(2)).tolist()}", flush=True)
 elif mode == "freed":
     mine = MPI.COMM_WORLD.Dup()
     wrapped = pycoll.Communicator(mine)
@@ -650,13 +650,14 @@ elif mode == "finalized":
 @pytest.mark.parametrize("mode,says", [
     ("serialized", ["async collective: async_op=True needs MPI initialised with "
                     "MPI_THREAD_MULTIPLE (mpi4py.rc.thread_level = 'multiple', mpi4py's "
-                    "default); this process has MPI_THREAD_SERIALIZED",
+                    "default, or MPI.Init_thread(MPI.THREAD_MULTIPLE)); this process has "
+                    "MPI_THREAD_SERIALIZED",
                     "other thread: recv from rank 0 (tag 3): wait() from a thread other than "
                     "the one that posted it needs MPI_THREAD_MULTIPLE",
                     "posting thread: [0.0, 1.0, 2.0, 3.0, 4.0]",
                     "blocking: [1.0, 2.0, 3.0, 4.0, 5.0]"]),
     ("no-init", ["not initialized: MPI is not initialized (mpi4py.rc.initialize = False): "
-                 "call MPI.Init()", "after Init [2.0, 2.0]"]),
+                 "call MPI.Init_thread(MPI.THREAD_MULTIPLE)", "after Init [2.0, 2.0]"]),
     ("freed", ["freed split [2.0, 2.0]"]),  # (one print per line: the ranks' lines interleave)
 ])
 def test_mpi4py_settings_and_the_users_own_communicators(tmp_path, mode, says):
@@ -695,7 +696,7 @@ rank = pycoll.world().rank
 pycoll.allreduce(np.ones(n))
 if rank == 1:  # Ctrl-C while it waits for rank 0 in the second call, caught, then go on
     main = threading.main_thread().ident
-    threading.Timer(1.0, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+    threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
     try:
         pycoll.allreduce(np.full(n, 10.0))
     except KeyboardInterrupt:
@@ -706,7 +707,7 @@ if rank == 1:  # Ctrl-C while it waits for rank 0 in the second call, caught, th
     except RuntimeError as error:
         print(f"rank 1 then: {error}", flush=True)
 else:
-    time.sleep(3)
+    time.sleep(4)  # well after rank 1's Ctrl-C, at 0.5 s
     try:  # what rank 1 published before Ctrl-C, or an error where it is gone: never 1020
         got = pycoll.allreduce(np.full(n, 20.0))
         print(f"rank 0 second call: {sorted(set(got.tolist()))}", flush=True)
