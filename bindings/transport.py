@@ -43,6 +43,11 @@ class PeerFailed(RuntimeError):
     """Another rank failed, so this rank's collective cannot complete."""
 
 
+# What may stop a rank midway through a wait (Ctrl-C; a signal handler's sys.exit), leaving
+# its peers in the call: the caller marks its communicator broken (Communicator.interrupted)
+INTERRUPTS = (KeyboardInterrupt, SystemExit)
+
+
 class WaitTimeout(TimeoutError):
     """A wait passed its deadline; ``peers``: the ranks (of the transport's group) it was
     still waiting for."""

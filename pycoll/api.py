@@ -15,7 +15,12 @@ from typing import Any
 import numpy as np
 
 from pycoll import agree, algorithms, select, verify
-from pycoll.bindings.transport import ChannelsCrossed, CollectiveTimeout, WaitTimeout
+from pycoll.bindings.transport import (
+    INTERRUPTS,
+    ChannelsCrossed,
+    CollectiveTimeout,
+    WaitTimeout,
+)
 from pycoll.comm import AGREEMENT_TAG, Communicator, is_int, world
 from pycoll.execute import compile_program, player, run, some_rank_forwards
 from pycoll.kernels import ReduceOp, check_dtype, check_op_for_dtype
@@ -33,9 +38,6 @@ _ONE_SHOT = "one shot"  # how a remembered call ran: every rank's x through shar
 # Enum members as module constants for the one-shot's hot path: in CPython 3.11,
 # ``ReduceOp.AVG`` is a Python-level lookup on the Enum class (about 0.1 us each)
 _ALLREDUCE, _AVG = Collective.ALLREDUCE, ReduceOp.AVG
-# What may stop a rank midway through a call (Ctrl-C; a signal handler's sys.exit), leaving
-# its peers in it: the communicator is then broken (Communicator.interrupted)
-_INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 @verify.verified("allreduce")
@@ -205,7 +207,7 @@ def _publish(comm: Communicator, shared: Any, collective: Collective, x: np.ndar
         raise comm.timed_out(f"{name} (one-shot)", late) from None
     except ChannelsCrossed as error:
         raise comm.broken_by(error) from None
-    except _INTERRUPTS as stop:
+    except INTERRUPTS as stop:
         comm.interrupted(name, stop)
         raise
     if select.DEBUG and not comm.agreeing:  # an AllGather's size is its output's, as plan's
@@ -1233,7 +1235,7 @@ def _execute(comm: Communicator, call: PreparedCall, x: Array, work: Array,
             # prepared once for every tag: this call's, as an async Send/Recv names it
             error = type(error)(f"{call.what} (tag {tag}){said[len(call.what):]}")
         raise comm.broken_by(error) from None
-    except _INTERRUPTS as stop:
+    except INTERRUPTS as stop:
         comm.interrupted(call.what, stop)
         raise
 
@@ -1308,7 +1310,7 @@ def _agree(comm: Communicator, collective: Collective, x: Array, op: ReduceOp | 
         raise comm.broken_by(CollectiveTimeout(f"{what}: {late}")) from None
     except ChannelsCrossed as error:  # the shared-memory exchange, with a peer in the rings
         raise comm.broken_by(error) from None
-    except _INTERRUPTS as stop:
+    except INTERRUPTS as stop:
         comm.interrupted(what, stop)
         raise
 
@@ -1403,7 +1405,7 @@ def _empty_message(comm: Communicator, src: int, dst: int, tag: int) -> None:
     sending = src == comm.rank
     try:
         _post(comm, sending, np.empty(0, np.uint8), dst if sending else src, tag, None).wait()
-    except _INTERRUPTS as stop:  # its receive stays posted, for a later message of the tag
+    except INTERRUPTS as stop:  # its receive stays posted, for a later message of the tag
         comm.interrupted("send" if sending else "recv", stop)
         raise
 

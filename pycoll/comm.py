@@ -29,7 +29,7 @@ from pycoll.bindings.mpi import (
     node_of_each_rank,
 )
 from pycoll.bindings.peer_memory import PeerMemoryTransport, SameProcessAccess
-from pycoll.bindings.transport import CollectiveTimeout, Transport, WaitTimeout
+from pycoll.bindings.transport import INTERRUPTS, CollectiveTimeout, Transport, WaitTimeout
 from pycoll.settings import whole_number
 from pycoll.traffic import Traffic
 
@@ -148,11 +148,7 @@ class Communicator:
         queue = self.queue if lane is None else self.lanes.get(lane)
         if queue is None:
             if not self.threads_may_call_mpi:
-                raise RuntimeError(
-                    "async_op=True needs MPI initialised with MPI_THREAD_MULTIPLE "
-                    "(mpi4py.rc.thread_level = 'multiple', mpi4py's default, or "
-                    "MPI.Init_thread(MPI.THREAD_MULTIPLE)); this process has "
-                    f"MPI_THREAD_{mpi_thread_level().upper()}")
+                raise RuntimeError(f"async_op=True needs MPI initialised with {needs_threads()}")
             world = getattr(self.transport, "world", None)  # in-process only
             queue = AsyncQueue(world, getattr(self.transport, "world_rank", 0))
             if lane is None:
@@ -287,7 +283,7 @@ class Communicator:
             except WaitTimeout as late:  # in-process: a rank of the node did not come
                 raise self.timed_out("the first collective (connecting shared memory)",
                                       late) from None
-            except (KeyboardInterrupt, SystemExit) as stop:  # the peers go on making it
+            except INTERRUPTS as stop:  # the peers go on making it
                 self.interrupted("the first collective (connecting shared memory)", stop)
                 raise
             self._host = host  # kept if the sharing below fails (an unreadable tuning file):
@@ -391,7 +387,7 @@ class Communicator:
                 transport.waitall(requests)
             except WaitTimeout as late:
                 raise self.timed_out(what, late) from None
-            except (KeyboardInterrupt, SystemExit) as stop:
+            except INTERRUPTS as stop:
                 self.interrupted(what, stop)
                 raise
             if round_ == "here" and (theirs != mine).any():  # seen by every rank: all raise
@@ -1165,6 +1161,13 @@ def _require_mpi_running() -> None:
         raise RuntimeError("MPI is not initialized (mpi4py.rc.initialize = False): call "
                            "MPI.Init_thread(MPI.THREAD_MULTIPLE) (or MPI.Init(), without async "
                            "calls) before pycoll's first call")
+
+
+def needs_threads() -> str:
+    """What a call that needs MPI_THREAD_MULTIPLE says: how to get it, and what this has."""
+    return ("MPI_THREAD_MULTIPLE (mpi4py.rc.thread_level = 'multiple', mpi4py's default, or "
+            "MPI.Init_thread(MPI.THREAD_MULTIPLE)); this process has "
+            f"MPI_THREAD_{mpi_thread_level().upper()}")
 
 
 def mpi_thread_level() -> str:

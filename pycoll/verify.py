@@ -206,7 +206,7 @@ def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = 
               ) -> list[np.ndarray]:
     """Every rank's ``mine`` (flat; ``sizes``: each rank's element count, when they differ),
     in rank order: raw bytes posted straight on the host transport, with a tag of their own."""
-    from pycoll.bindings.transport import ChannelsCrossed, WaitTimeout
+    from pycoll.bindings.transport import INTERRUPTS, ChannelsCrossed, WaitTimeout
 
     if sizes is None:
         sizes = [mine.size] * comm.size
@@ -223,7 +223,7 @@ def _exchange(comm: Any, name: str, mine: np.ndarray, sizes: list[int] | None = 
         raise comm.timed_out(f"{name} (verification)", late) from None
     except ChannelsCrossed as error:  # a message left in a ring: no later call can run
         raise comm.broken_by(error) from None
-    except (KeyboardInterrupt, SystemExit) as stop:
+    except INTERRUPTS as stop:
         comm.interrupted(f"{name} (verification)", stop)
         raise
     return [g.view(mine.dtype) for g in got]

@@ -142,14 +142,11 @@ class Posted(Work):
 
     def _on_the_posting_thread(self, call: str) -> None:
         if self._poster is not None and self._poster != threading.get_ident():
-            from pycoll.comm import mpi_thread_level
+            from pycoll.comm import needs_threads
 
-            raise RuntimeError(
-                f"{self._what}: {call} from a thread other than the one that posted it needs "
-                "MPI_THREAD_MULTIPLE (mpi4py.rc.thread_level = 'multiple', mpi4py's default, "
-                "or MPI.Init_thread(MPI.THREAD_MULTIPLE)); "
-                f"this process has MPI_THREAD_{mpi_thread_level().upper()}: call it on the "
-                "posting thread")
+            raise RuntimeError(f"{self._what}: {call} from a thread other than the one that "
+                               f"posted it needs {needs_threads()}: call it on the posting "
+                               "thread")
 
     def __del__(self) -> None:
         # Dropped unwaited (torch's isend allows it): the transport's bookkeeping for its
