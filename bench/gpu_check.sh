@@ -2,7 +2,8 @@
 # Everything pycoll checks on an NVIDIA GPU, in one call of well under 8 minutes, on a machine
 # that may have no network: AllReduce, ReduceScatter and AllGather at 2 and 4 MPI ranks sharing
 # the GPU through CUDA IPC, every algorithm, with --check, Send/Recv at 2, and the ring
-# AllReduce without forwarding (PYCOLL_FORWARD=0); the kernels' bandwidth; the GPU tests.
+# AllReduce without forwarding (PYCOLL_FORWARD=0); the kernels' bandwidth; the GPU tests;
+# AllReduce at 4 ranks under MPS where the machine has it.
 # Results go to $OUT (the device tool's folder) or bench/results/gpu-raw.
 #   bash bench/fetch_wheels.sh   # here, with network: mpi4py, mpich, numpy wheels into .whl/
 #   bash bench/gpu_check.sh      # there (device run: carry .whl, timeout_s = GPU_CHECK_SECONDS + 60)
@@ -292,6 +293,27 @@ kernel_tests_status=$?
 gpu_tests 300 tests/test_kernels_cuda.py "tests/test_kernels_cuda.py::numba-matrix" "$numba_matrix"
 numba_matrix_status=$?
 [ "$kernel_tests_status" -eq 0 ] && kernel_tests_status=$numba_matrix_status
+report
+
+# 5. Where the machine has MPS, AllReduce at 4 ranks again with the ranks' kernels sharing the
+# GPU at once instead of taking turns: without MPS each step's handoff waits for the GPU to
+# switch contexts (about 0.5 ms per rank sharing it, H200 2026-12). Not part of the bars.
+mps_control=$(command -v nvidia-cuda-mps-control)
+if [ -z "$mps_control" ]; then
+  echo "# no nvidia-cuda-mps-control: no run under MPS" | tee -a "$out/collectives.txt"
+elif ! no_time_left; then
+  export CUDA_MPS_PIPE_DIRECTORY="$work/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$work/mps-log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  # Without GPU_CHECK_RUN: reap, after the run, must not kill the daemon before it is quit.
+  # To a file, not a pipe: the daemon may keep what it inherits open, and tee would wait.
+  if env -u GPU_CHECK_RUN timeout 10 "$mps_control" -d < /dev/null >> "$out/collectives.txt" 2>&1; then
+    bench_collective ", under MPS" mps-allreduce-4 4 allreduce --algorithm all
+    echo quit | timeout 10 "$mps_control" >> "$out/collectives.txt" 2>&1
+  else
+    echo "# nvidia-cuda-mps-control -d failed: no run under MPS" | tee -a "$out/collectives.txt"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
 report
 
 [ "$collective_tests_status" -eq 0 ] && [ "$kernel_tests_status" -eq 0 ] \

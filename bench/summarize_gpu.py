@@ -7,7 +7,8 @@
 * every multi-rank collective over CUDA IPC has #wrong = 0 (not shown while a run did not
   finish: its exit status is read from collectives.txt);
 
-plus the ring AllReduce with and without forwarding (PYCOLL_FORWARD=0),
+plus the ring AllReduce with and without forwarding (PYCOLL_FORWARD=0), AllReduce at 4 ranks
+with and without MPS,
 and which kernel backend was faster (what `kernels/device.py`'s DEFAULT_BACKEND should be).
 
     python bench/summarize_gpu.py OUT_FOLDER > bench/results/gpu-h200.md
@@ -26,12 +27,14 @@ BAR_OF_COPY = 0.90
 REDUCE_KERNELS = ("reduce", "reduce_pair", "reduce_n", "reduce_copy")
 UNFORWARDED = "unforwarded-"  # gpu_check.sh's run with PYCOLL_FORWARD=0
 STAGED = "staged-"  # its run through the host, made only where an IPC run failed
+MPS = "mps-"  # its AllReduce at 4 ranks under MPS, where the machine has MPS
 # A run's JSON name prefix -> (what collectives.txt adds after "on N ranks", the table's
 # label, whether its #wrong counts toward the IPC bar)
 VARIANTS = {
     "": ("", "", True),
     UNFORWARDED: (", ring, PYCOLL_FORWARD=0", " (PYCOLL_FORWARD=0)", True),
     STAGED: (", PYCOLL_DEVICE_TRANSPORT=staged", " (staged through the host, no IPC)", False),
+    MPS: (", under MPS", " (under MPS)", False),
 }
 
 
@@ -129,7 +132,7 @@ def collective_section(folder: Path) -> list[str]:
         status = exits.get(name)
         variant = _variant(name)
         _, label, in_bar = VARIANTS[variant]
-        staged = staged or not in_bar
+        staged = staged or variant == STAGED
         if in_bar and status not in (None, 0, 1):  # 1: the run ended and some value was wrong
             unfinished.append(name)
         said = "-" if status is None else str(status)
@@ -195,6 +198,33 @@ def forward_section(folder: Path) -> list[str]:
                         "after the other on the same GPU.", ""]
 
 
+def mps_section(folder: Path) -> list[str]:
+    """AllReduce at 4 ranks sharing the GPU, taking turns (no MPS) against under MPS, per
+    algorithm at the smallest and the largest size measured both ways."""
+    lines = ["## Ranks sharing the GPU: taking turns, and under MPS", ""]
+    paths = [folder / "allreduce-4.json", folder / f"{MPS}allreduce-4.json"]
+    if not all(p.exists() for p in paths):
+        return [*lines, "Not measured (no allreduce-4.json and "
+                        f"{MPS}allreduce-4.json: no MPS on the machine, or no time left).", ""]
+    turns, mps = ({(r["algorithm"], r["size"]): r for r in json.loads(p.read_text())}
+                  for p in paths)
+    both = sorted(set(turns) & set(mps), key=lambda k: (k[1], k[0]))
+    if not both:
+        return [*lines, "No algorithm and size measured both ways.", ""]
+    ends = {min(size for _, size in both), max(size for _, size in both)}
+    lines += ["| algorithm | size | time, taking turns (us) | time under MPS (us) | "
+              "turns / MPS | #wrong under MPS |", "|---|---|---|---|---|---|"]
+    for key in both:
+        if key[1] in ends:
+            a, b = turns[key], mps[key]
+            lines.append(f"| {key[0]} | {human(key[1])} | {a['time_us']:.1f} | "
+                         f"{b['time_us']:.1f} | {a['time_us'] / b['time_us']:.2f} | "
+                         f"{'-' if b['wrong'] is None else b['wrong']} |")
+    return [*lines, "", "Two runs of `pycoll bench allreduce --algorithm all` at 4 ranks on "
+                        "one GPU, one after the other: without MPS, then with "
+                        "nvidia-cuda-mps-control -d.", ""]
+
+
 def _test_results(tests: str | None) -> list[str]:
     """Each pytest run's count line ("N passed, ... in Ts"; its last line where the run was
     cut before it), then gpu_check.sh's exit line for that run."""
@@ -238,6 +268,7 @@ def main(folder: str) -> str:
               else ["## Kernels", "", "No kernels.json.", ""])
     lines += collective_section(root)
     lines += forward_section(root)
+    lines += mps_section(root)
     lines += ["## Environment", "", "```", environment.strip(), "```", ""]
     return "\n".join(lines)
 

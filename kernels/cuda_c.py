@@ -303,7 +303,8 @@ class CudaCKernels:
         for i, s in enumerate(sources):
             self._array(s, f"sources[{i}]", row.dtype, n)
         m = table.MAX_SOURCES
-        if len(sources) > m and any(self._ptr(s) == self._ptr(dst) for s in sources[1:]):
+        # Empty arrays all have pointer 0 in CuPy: they alias nothing.
+        if n and len(sources) > m and any(self._ptr(s) == self._ptr(dst) for s in sources[1:]):
             raise ValueError(
                 f"dst is one of sources[1:] with {len(sources)} sources; with more than {m} "
                 "sources (chained launches) dst may only be sources[0] or a separate buffer"

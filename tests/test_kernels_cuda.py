@@ -552,7 +552,7 @@ class HostCudaCKernels(cuda_c.CudaCKernels):
 
     @staticmethod
     def _ptr(x) -> int:
-        return int(x.ctypes.data)
+        return int(x.ctypes.data) if x.size else 0  # as CuPy: an empty array has no memory
 
     def _run(self, kernel, dtype, op, blocks, args) -> None:
         pointers: list[int] = []

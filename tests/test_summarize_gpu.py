@@ -163,7 +163,7 @@ def _gpu_check(tmp_path: Path, seconds: str, mpiexec: str) -> subprocess.Complet
     """bench/gpu_check.sh run on a copy of the tree with GPU_CHECK_SECONDS=``seconds``, its
     $OUT in tmp_path/out, and ``mpiexec`` (a script) first on PATH."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     (bin_dir / "mpiexec").write_text(mpiexec)
     (bin_dir / "mpiexec").chmod(0o755)
     tree = tmp_path / "tree"  # the source tree without .whl/ (whose mpiexec would come first)
@@ -239,3 +239,62 @@ def test_a_test_run_that_skipped_for_want_of_a_gpu_says_why_it_failed(tmp_path):
     assert ("3 skipped in 1.0s\n# tests skipped for want of a GPU on a GPU machine: counted "
             "as failed\n# tests/test_gpu_collectives.py: exit 3\n2 passed in 1.0s\n"
             "# tests/test_kernels_cuda.py: exit 0") in page, page
+
+
+def test_allreduce_under_mps_against_taking_turns(tmp_path):
+    """AllReduce at 4 ranks under MPS beside the same run without: per algorithm at the
+    smallest and largest size, outside the IPC bar (its #wrong shown, not counted)."""
+    write(tmp_path, collectives={
+        "allreduce-4.json": [collective("allreduce", 4, s, a, t) for s, a, t in (
+            (MiB, "ring", 6000), (4 * MiB, "ring", 6100), (64 * MiB, "ring", 7000),
+            (64 * MiB, "tree", 3500))],
+        "mps-allreduce-4.json": [collective("allreduce", 4, s, "ring", t, w) for s, t, w in (
+            (MiB, 300, 0), (4 * MiB, 400, 0), (64 * MiB, 1400, 5))],
+    })
+    (tmp_path / "collectives.txt").write_text(
+        "# allreduce on 4 ranks: exit 0\n# allreduce on 4 ranks, under MPS: exit 1\n")
+    page = summarize_gpu.main(str(tmp_path))
+    section = page.split("under MPS", 1)[1]
+    assert "| ring | 1 MiB | 6000.0 | 300.0 | 20.00 | 0 |" in section, page
+    assert "| ring | 64 MiB | 7000.0 | 1400.0 | 5.00 | 5 |" in section, page
+    assert "| ring | 4 MiB |" not in section and "| tree |" not in section, page
+    assert "| allreduce (under MPS) | 4 | 3 | 5 |" in page, page
+    assert "#wrong = 0: met (0 wrong values in all)" in page, page
+    assert "staged" not in page, page
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    write(alone, collectives={"allreduce-4.json": [collective("allreduce", 4, MiB, "ring", 9)]})
+    assert "Not measured (no allreduce-4.json and mps-allreduce-4.json" in (
+        summarize_gpu.main(str(alone)))
+
+
+def test_gpu_check_runs_allreduce_under_mps_where_the_machine_has_it(tmp_path):
+    """With nvidia-cuda-mps-control on PATH, gpu_check.sh starts its daemon (pipe and log
+    folders of its own, exported to the ranks), runs AllReduce at 4 ranks under it, last, and
+    quits it; without, it says so and runs nothing more."""
+    log = tmp_path / "mps.txt"
+    (tmp_path / "bin").mkdir()
+    control = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    control.write_text(f'#!/bin/sh\n[ "$1" = -d ] && what=-d || read -r what\n'
+                       f'echo "control $what ${{GPU_CHECK_RUN:-unmarked}}" >> "{log}"\n')
+    control.chmod(0o755)
+    row = json.dumps([collective("allreduce", 4, MiB, "ring", 9)])
+    mpiexec = f"""#!/bin/sh
+for a in "$@"; do [ "$a" = --json ] && json=1; done
+[ -n "$json" ] || exit 0
+echo "mpiexec $2 ${{CUDA_MPS_PIPE_DIRECTORY:+pipe}} $*" >> "{log}"
+while [ $# -gt 0 ]; do [ "$1" = --json ] && echo '{row}' > "$2"; shift; done
+"""
+    run = _gpu_check(tmp_path, "20", mpiexec)
+    said = [line for line in log.read_text().splitlines()]
+    assert said[-3] == "control -d unmarked", said  # reap spares the daemon
+    assert said[-2].startswith("mpiexec 4 pipe ") and "mps-allreduce-4.json" in said[-2], said
+    assert "--algorithm all" in said[-2], said
+    assert said[-1].startswith("control quit"), said
+    assert not any(" pipe " in line for line in said[:-2]), said  # only that run under MPS
+    page = (tmp_path / "out" / "gpu-summary.md").read_text()
+    assert "| allreduce (under MPS) | 4 | 1 | 0 |" in page, page
+    assert "| ring | 1 MiB | 9.0 | 9.0 | 1.00 | 0 |" in page, page
+    with tarfile.open(tmp_path / "out" / "collectives.tar.gz") as archive:
+        assert "mps-allreduce-4.json" in {Path(n).name for n in archive.getnames()}
+    assert run.returncode != 0  # no GPU here: the tests fail; MPS changes nothing of that
