@@ -598,8 +598,11 @@ class Communicator:
         if self.mpi_comm is None:
             return _in_process_device_transport(space, self.transport, self.nodes())
         # pycoll's duplicate, as for the node split; the user's for its info (CUDA-aware)
+        # while the user has not freed it
+        user = self.mpi_comm
         return _mpi_device_transport(self.transport.comm, space, self.nodes(),
-                                     info_from=self.mpi_comm)
+                                     info_from=self.transport.comm if user == mpi().COMM_NULL
+                                     else user)
 
     def _pair_device_transport(self, space: Any, peer: int, route: tuple[int, int]) -> Any:
         pair = sorted((self.rank, peer))

@@ -185,7 +185,7 @@ def tune_comm(comm: Communicator, kind: str, repeats: int = 15,
     if comm.mpi_comm is not None:
         from pycoll.bindings.mpi import node_of_each_rank
 
-        nodes = node_of_each_rank(comm.mpi_comm)
+        nodes = node_of_each_rank(comm.transport.comm)  # pycoll's own: the user may free theirs
     call = measure_call(comm, repeats)
     reduce_points, copy_points = measure_local(comm, local_sizes, repeats)
     by_node: dict[int, list[int]] = {}

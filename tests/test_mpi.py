@@ -640,9 +640,25 @@ elif mode == "freed":
     mine.Free()  # pycoll's duplicates go on
     half = wrapped.split(color=0)
     print(f"freed split {pycoll.allreduce(np.ones(2), comm=half).tolist()}", flush=True)
+    from pycoll.tune import tune_comm
+    tune_comm(wrapped, wrapped.host_kind(), repeats=1, sizes=[8], local_sizes=[1024])
+    print("freed tuned", flush=True)
+    # device arrays between the ranks (staged): MPI's CUDA-awareness is read from an info
+    # that must not be the freed handle's
+    sys.path.insert(0, sys.argv[2])
+    from fake_device import FakeDevice, device_array, host_array
+    from pycoll import spaces
+    from pycoll.bindings import staged
+    spaces.register(FakeDevice(seed=wrapped.rank))
+    staged.cuda_aware_mpi = lambda c: print(f"info of the freed handle: {c == MPI.COMM_NULL}",
+                                            flush=True) or False
+    total = host_array(pycoll.allreduce(device_array(np.ones(3)), comm=wrapped))
+    print(f"freed device {total.tolist()}", flush=True)
 elif mode == "finalized":
-    pycoll.world()
+    rank = pycoll.world().rank
     MPI.Finalize()
+    # each rank's own file: two ranks' tracebacks on one stderr interleave mid-line
+    sys.stderr = open(f"{sys.argv[2]}/stderr.{rank}", "w", buffering=1)
     raise RuntimeError("the program's own error, after MPI.Finalize")
 """
 
@@ -658,7 +674,8 @@ elif mode == "finalized":
                     "blocking: [1.0, 2.0, 3.0, 4.0, 5.0]"]),
     ("no-init", ["not initialized: MPI is not initialized (mpi4py.rc.initialize = False): "
                  "call MPI.Init_thread(MPI.THREAD_MULTIPLE)", "after Init [2.0, 2.0]"]),
-    ("freed", ["freed split [2.0, 2.0]"]),  # (one print per line: the ranks' lines interleave)
+    ("freed", ["freed split [2.0, 2.0]", "freed tuned", "info of the freed handle: False",
+               "freed device [2.0, 2.0, 2.0]"]),  # (one print per line: lines interleave)
 ])
 def test_mpi4py_settings_and_the_users_own_communicators(tmp_path, mode, says):
     """From a helper's hunt: below MPI_THREAD_MULTIPLE a posted Recv waited on another thread
@@ -667,12 +684,13 @@ def test_mpi4py_settings_and_the_users_own_communicators(tmp_path, mode, says):
     wrapped communicator the user had freed (it split the user's handle, not pycoll's)."""
     program = tmp_path / "settings.py"
     program.write_text(MPI4PY_SETTINGS)
-    done = launch(2, str(program), mode, timeout=120)
+    done = launch(2, str(program), mode, str(Path(__file__).parent), timeout=120)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     for said in says:
         assert said in output, output
-    went_on = {"serialized": "serialized total [0.0, 2.0, 4.0]", "freed": "freed split [2.0, 2.0]"}
+    went_on = {"serialized": "serialized total [0.0, 2.0, 4.0]",
+               "freed": "freed device [2.0, 2.0, 2.0]"}
     if mode in went_on:
         assert output.count(went_on[mode]) == 2, output  # both ranks went on
 
@@ -682,11 +700,13 @@ def test_an_error_after_mpi_finalize_is_said_as_python_says_it(tmp_path):
     the process, and the program's own error and traceback were never printed."""
     program = tmp_path / "settings.py"
     program.write_text(MPI4PY_SETTINGS)
-    done = launch(2, str(program), "finalized", timeout=120)
+    done = launch(2, str(program), "finalized", str(tmp_path), timeout=120)
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
-    assert output.count("RuntimeError: the program's own error, after MPI.Finalize") == 2, output
-    assert "Traceback" in output and "after finalizing" not in output, output
+    for rank in (0, 1):
+        said = (tmp_path / f"stderr.{rank}").read_text()
+        assert "RuntimeError: the program's own error, after MPI.Finalize" in said, (said, output)
+        assert "Traceback" in said and "after finalizing" not in said + output, (said, output)
 
 
 INTERRUPTED = """
