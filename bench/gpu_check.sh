@@ -297,8 +297,10 @@ report
 
 # 5. Where the machine has MPS, AllReduce at 4 ranks again with the ranks' kernels sharing the
 # GPU at once instead of taking turns: without MPS each step's handoff waits for the GPU to
-# switch contexts (about 0.5 ms per rank sharing it, H200 2026-12). Not part of the bars.
-mps_control=$(command -v nvidia-cuda-mps-control)
+# switch contexts (H200, 2026-12: about 0.5 ms per step at 2 ranks, 1 ms at 4). Its #wrong
+# counts toward the bar; its timing and a failure to run do not. GPU_CHECK_MPS_CONTROL names
+# the program (empty: no MPS run).
+mps_control=${GPU_CHECK_MPS_CONTROL-$(command -v nvidia-cuda-mps-control)}
 if [ -z "$mps_control" ]; then
   echo "# no nvidia-cuda-mps-control: no run under MPS" | tee -a "$out/collectives.txt"
 elif ! no_time_left; then
@@ -306,9 +308,15 @@ elif ! no_time_left; then
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   # Without GPU_CHECK_RUN: reap, after the run, must not kill the daemon before it is quit.
   # To a file, not a pipe: the daemon may keep what it inherits open, and tee would wait.
+  # -d returns once the daemon has forked: whether the ranks ran under it, its logs say.
   if env -u GPU_CHECK_RUN timeout 10 "$mps_control" -d < /dev/null >> "$out/collectives.txt" 2>&1; then
     bench_collective ", under MPS" mps-allreduce-4 4 allreduce --algorithm all
-    echo quit | timeout 10 "$mps_control" >> "$out/collectives.txt" 2>&1
+    { echo "# MPS servers after the run (the daemon starts one for its first client: none, the ranks ran without MPS):"
+      echo get_server_list | timeout 10 "$mps_control"
+      echo quit | timeout 10 "$mps_control" || echo "# MPS quit failed: exit $?"
+      echo "# MPS logs, last lines:"
+      tail -n 15 "$CUDA_MPS_LOG_DIRECTORY"/*.log
+    } >> "$out/collectives.txt" 2>&1
   else
     echo "# nvidia-cuda-mps-control -d failed: no run under MPS" | tee -a "$out/collectives.txt"
   fi

@@ -29,12 +29,13 @@ UNFORWARDED = "unforwarded-"  # gpu_check.sh's run with PYCOLL_FORWARD=0
 STAGED = "staged-"  # its run through the host, made only where an IPC run failed
 MPS = "mps-"  # its AllReduce at 4 ranks under MPS, where the machine has MPS
 # A run's JSON name prefix -> (what collectives.txt adds after "on N ranks", the table's
-# label, whether its #wrong counts toward the IPC bar)
+# label, whether its #wrong counts toward the IPC bar, whether the bar needs it to finish)
 VARIANTS = {
-    "": ("", "", True),
-    UNFORWARDED: (", ring, PYCOLL_FORWARD=0", " (PYCOLL_FORWARD=0)", True),
-    STAGED: (", PYCOLL_DEVICE_TRANSPORT=staged", " (staged through the host, no IPC)", False),
-    MPS: (", under MPS", " (under MPS)", False),
+    "": ("", "", True, True),
+    UNFORWARDED: (", ring, PYCOLL_FORWARD=0", " (PYCOLL_FORWARD=0)", True, True),
+    STAGED: (", PYCOLL_DEVICE_TRANSPORT=staged", " (staged through the host, no IPC)", False,
+             False),
+    MPS: (", under MPS", " (under MPS)", True, False),  # only where the machine has MPS
 }
 
 
@@ -100,7 +101,7 @@ def run_exits(folder: Path) -> dict[str, int]:
     """Each collective run's exit status, from collectives.txt's closing lines, by the name
     of its JSON file without '.json' (124: stopped by gpu_check.sh's time limit; 125:
     skipped, after an IPC run timed out or failed, or with no time left)."""
-    prefix_of = {said: prefix for prefix, (said, _, _) in VARIANTS.items()}
+    prefix_of = {said: prefix for prefix, (said, *_) in VARIANTS.items()}
     exits = {}
     for line in (_read(folder / "collectives.txt") or "").splitlines():
         said = re.fullmatch(r"# (\w+) on (\d+) ranks(, [^:]*)?: exit (\d+)", line.strip())
@@ -131,9 +132,9 @@ def collective_section(folder: Path) -> list[str]:
         rows = json.loads(files[name].read_text()) if name in files else []
         status = exits.get(name)
         variant = _variant(name)
-        _, label, in_bar = VARIANTS[variant]
+        _, label, in_bar, must_finish = VARIANTS[variant]
         staged = staged or variant == STAGED
-        if in_bar and status not in (None, 0, 1):  # 1: the run ended and some value was wrong
+        if must_finish and status not in (None, 0, 1):  # 1: ended, some value was wrong
             unfinished.append(name)
         said = "-" if status is None else str(status)
         if not rows:
@@ -143,7 +144,7 @@ def collective_section(folder: Path) -> list[str]:
         checked = [r for r in rows if r["wrong"] is not None]  # None: run with --check 0
         wrong = sum(r["wrong"] + (r.get("in_place_wrong") or 0) for r in checked)
         total_wrong += wrong if in_bar else 0
-        if in_bar and len(checked) < len(rows):
+        if must_finish and len(checked) < len(rows):
             unchecked.append(name)
         largest = max(r["size"] for r in rows)
         at_largest = [r for r in rows if r["size"] == largest and r["algorithm"] != "auto"]
@@ -203,6 +204,10 @@ def mps_section(folder: Path) -> list[str]:
     algorithm at the smallest and the largest size measured both ways."""
     lines = ["## Ranks sharing the GPU: taking turns, and under MPS", ""]
     paths = [folder / "allreduce-4.json", folder / f"{MPS}allreduce-4.json"]
+    status = run_exits(folder).get(f"{MPS}allreduce-4")
+    if status not in (None, 0, 1):
+        return [*lines, f"The run under MPS did not finish (exit {status}; its rows are in the "
+                        "table above): collectives.txt has its errors and MPS's logs.", ""]
     if not all(p.exists() for p in paths):
         return [*lines, "Not measured (no allreduce-4.json and "
                         f"{MPS}allreduce-4.json: no MPS on the machine, or no time left).", ""]
@@ -221,8 +226,8 @@ def mps_section(folder: Path) -> list[str]:
                          f"{b['time_us']:.1f} | {a['time_us'] / b['time_us']:.2f} | "
                          f"{'-' if b['wrong'] is None else b['wrong']} |")
     return [*lines, "", "Two runs of `pycoll bench allreduce --algorithm all` at 4 ranks on "
-                        "one GPU, one after the other: without MPS, then with "
-                        "nvidia-cuda-mps-control -d.", ""]
+                        "one GPU in the same gpu_check.sh run: step 1 without MPS, step 5 "
+                        "under nvidia-cuda-mps-control -d.", ""]
 
 
 def _test_results(tests: str | None) -> list[str]:

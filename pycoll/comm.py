@@ -597,8 +597,8 @@ class Communicator:
     def _group_device_transport(self, space: Any) -> Any:
         if self.mpi_comm is None:
             return _in_process_device_transport(space, self.transport, self.nodes())
-        # pycoll's duplicate, as for the node split; the user's for its info (CUDA-aware)
-        # while the user has not freed it
+        # pycoll's duplicate (the user may free theirs); the user's for its info (whether MPI
+        # takes device memory) while it is not freed
         user = self.mpi_comm
         return _mpi_device_transport(self.transport.comm, space, self.nodes(),
                                      info_from=self.transport.comm if user == mpi().COMM_NULL

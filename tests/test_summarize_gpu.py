@@ -137,6 +137,7 @@ exit 0
     ipc_made = 1 if ipc_fails else 8  # after one failure or hang the rest are skipped
     assert made == ["ipc page"] * ipc_made + (["staged page"] if ipc_fails else []), made
     page = (out / "gpu-summary.md").read_text()
+    assert "# no nvidia-cuda-mps-control: no run under MPS" in (out / "collectives.txt").read_text()
     # each test file's run, with its exit
     assert "# tests/test_gpu_collectives.py: exit " in page, page
     assert "# tests/test_kernels_cuda.py: exit " in page, page
@@ -159,18 +160,21 @@ exit 0
     assert names == sorted(archived), names
 
 
-def _gpu_check(tmp_path: Path, seconds: str, mpiexec: str) -> subprocess.CompletedProcess:
+def _gpu_check(tmp_path: Path, seconds: str, mpiexec: str, mps_control: str = ""
+               ) -> subprocess.CompletedProcess:
     """bench/gpu_check.sh run on a copy of the tree with GPU_CHECK_SECONDS=``seconds``, its
-    $OUT in tmp_path/out, and ``mpiexec`` (a script) first on PATH."""
+    $OUT in tmp_path/out, ``mpiexec`` (a script) first on PATH, and ``mps_control`` as
+    nvidia-cuda-mps-control (none by default, even where the machine has one)."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
+    bin_dir.mkdir()
     (bin_dir / "mpiexec").write_text(mpiexec)
     (bin_dir / "mpiexec").chmod(0o755)
     tree = tmp_path / "tree"  # the source tree without .whl/ (whose mpiexec would come first)
     for part in ("bench", "pycoll", "kernels", "bindings", "tests"):
         shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_SECONDS": seconds,
-           "PYTHON": sys.executable, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+           "PYTHON": sys.executable, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "GPU_CHECK_MPS_CONTROL": mps_control}
     env.pop("PYCOLL_DEVICE_TRANSPORT", None)
     return subprocess.run(["bash", "bench/gpu_check.sh"], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -243,7 +247,8 @@ def test_a_test_run_that_skipped_for_want_of_a_gpu_says_why_it_failed(tmp_path):
 
 def test_allreduce_under_mps_against_taking_turns(tmp_path):
     """AllReduce at 4 ranks under MPS beside the same run without: per algorithm at the
-    smallest and largest size, outside the IPC bar (its #wrong shown, not counted)."""
+    smallest and largest size; its #wrong counts toward the IPC bar, its failing to run
+    (where MPS refuses) does not."""
     write(tmp_path, collectives={
         "allreduce-4.json": [collective("allreduce", 4, s, a, t) for s, a, t in (
             (MiB, "ring", 6000), (4 * MiB, "ring", 6100), (64 * MiB, "ring", 7000),
@@ -259,8 +264,16 @@ def test_allreduce_under_mps_against_taking_turns(tmp_path):
     assert "| ring | 64 MiB | 7000.0 | 1400.0 | 5.00 | 5 |" in section, page
     assert "| ring | 4 MiB |" not in section and "| tree |" not in section, page
     assert "| allreduce (under MPS) | 4 | 3 | 5 |" in page, page
-    assert "#wrong = 0: met (0 wrong values in all)" in page, page
+    assert "#wrong = 0: NOT met (5 wrong values in all)" in page, page  # wrong is wrong
     assert "staged" not in page, page
+    # a run under MPS that failed (the clients refused, say) is said, and keeps no bar
+    (tmp_path / "mps-allreduce-4.json").unlink()
+    (tmp_path / "collectives.txt").write_text(
+        "# allreduce on 4 ranks: exit 0\n# allreduce on 4 ranks, under MPS: exit 2\n")
+    page = summarize_gpu.main(str(tmp_path))
+    assert "| allreduce (under MPS) | 4 | 0 | - | - | - | 2 |" in page, page
+    assert "#wrong = 0: met (0 wrong values in all)" in page, page
+    assert "The run under MPS did not finish (exit 2;" in page, page
     alone = tmp_path / "alone"
     alone.mkdir()
     write(alone, collectives={"allreduce-4.json": [collective("allreduce", 4, MiB, "ring", 9)]})
@@ -269,12 +282,11 @@ def test_allreduce_under_mps_against_taking_turns(tmp_path):
 
 
 def test_gpu_check_runs_allreduce_under_mps_where_the_machine_has_it(tmp_path):
-    """With nvidia-cuda-mps-control on PATH, gpu_check.sh starts its daemon (pipe and log
-    folders of its own, exported to the ranks), runs AllReduce at 4 ranks under it, last, and
-    quits it; without, it says so and runs nothing more."""
+    """With nvidia-cuda-mps-control, gpu_check.sh starts its daemon (pipe and log folders
+    of its own, exported to the ranks), runs AllReduce at 4 ranks under it, last, asks it for
+    its servers and quits it (without, test_gpu_check_brings_back_at_most_8_files)."""
     log = tmp_path / "mps.txt"
-    (tmp_path / "bin").mkdir()
-    control = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    control = tmp_path / "nvidia-cuda-mps-control"
     control.write_text(f'#!/bin/sh\n[ "$1" = -d ] && what=-d || read -r what\n'
                        f'echo "control $what ${{GPU_CHECK_RUN:-unmarked}}" >> "{log}"\n')
     control.chmod(0o755)
@@ -285,13 +297,13 @@ for a in "$@"; do [ "$a" = --json ] && json=1; done
 echo "mpiexec $2 ${{CUDA_MPS_PIPE_DIRECTORY:+pipe}} $*" >> "{log}"
 while [ $# -gt 0 ]; do [ "$1" = --json ] && echo '{row}' > "$2"; shift; done
 """
-    run = _gpu_check(tmp_path, "20", mpiexec)
-    said = [line for line in log.read_text().splitlines()]
-    assert said[-3] == "control -d unmarked", said  # reap spares the daemon
-    assert said[-2].startswith("mpiexec 4 pipe ") and "mps-allreduce-4.json" in said[-2], said
-    assert "--algorithm all" in said[-2], said
-    assert said[-1].startswith("control quit"), said
-    assert not any(" pipe " in line for line in said[:-2]), said  # only that run under MPS
+    run = _gpu_check(tmp_path, "60", mpiexec, str(control))
+    said = log.read_text().splitlines()
+    assert said[-4] == "control -d unmarked", said  # reap spares the daemon
+    assert said[-3].startswith("mpiexec 4 pipe ") and "mps-allreduce-4.json" in said[-3], said
+    assert "--algorithm all" in said[-3], said
+    assert [line.split()[1] for line in said[-2:]] == ["get_server_list", "quit"], said
+    assert not any(" pipe " in line for line in said[:-3]), said  # only that run under MPS
     page = (tmp_path / "out" / "gpu-summary.md").read_text()
     assert "| allreduce (under MPS) | 4 | 1 | 0 |" in page, page
     assert "| ring | 1 MiB | 9.0 | 9.0 | 1.00 | 0 |" in page, page
