@@ -956,7 +956,10 @@ def _route(
     if len(set(nodes)) == len(nodes):  # a node each: nobody maps a peer
         return between
     within = peer_memory()
-    if len(local) == 1:
+    if len(local) == 1:  # made only because duplicating is collective: its communicators
+        for host in _reachable(within):  # would leak, one pair per making, until MPI has
+            if isinstance(host, MPITransport):  # no context ids left on any rank
+                host.free()
         return between
     return RoutedTransport([within if node == nodes[rank] else between for node in nodes])
 
@@ -1052,6 +1055,9 @@ def _mpi_device_transport(mpi_comm: Any, space: Any, nodes: list[int],
 
     mode = _device_transport_mode()
     access = getattr(space, "ipc_access", None)
+    if access is None and mode == "ipc" and mpi_comm.Get_size() > 1:
+        raise ValueError(f"PYCOLL_DEVICE_TRANSPORT=ipc but {space.name} memory cannot be "
+                         "mapped by another process (allowed here: auto or staged)")
     if access is None:  # no way to map another process's memory
         mode = "staged"
     if mode == "staged":

@@ -266,6 +266,66 @@ def test_a_device_only_program_makes_no_host_transport():
         assert f"rank {rank}: right True, host transport made False" in output, output
 
 
+
+REMADE_DEVICE_ENDPOINTS = f"""
+import sys
+sys.path.insert(0, {str(HERE.parent)!r})
+import numpy as np
+from fake_device import SharedFileDevice, device_array, host_array
+import pycoll
+from pycoll import spaces
+comm = pycoll.world()
+spaces.register(SharedFileDevice(seed=comm.rank))
+wrong = 0
+for i in range(1200):  # MPICH has 2048 context ids: two leaked per making ran out at ~1020
+    y = host_array(pycoll.allreduce(device_array(np.full(3, i + comm.rank, np.int64))))
+    wrong += int((y != 3 * i + 3).sum())
+    comm.free_device_buffers()
+print(f"rank {{comm.rank}}: 1200 makings, {{wrong}} wrong", flush=True)
+"""
+
+
+def test_a_rank_alone_on_its_node_leaks_no_communicators():
+    """From a helper's hunt: with nodes [0, 0, 1] rank 2 duplicated MPI communicators for a
+    peer-memory endpoint (duplicating is collective) that it never used or freed, two per
+    making, until every rank's MPI_Comm_dup failed (no context id left)."""
+    done = launch(3, "-c", REMADE_DEVICE_ENDPOINTS, timeout=120, PYCOLL_RANKS_PER_NODE="2")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    for rank in range(3):
+        assert f"rank {rank}: 1200 makings, 0 wrong" in output, output[-3000:]
+
+
+UNMAPPABLE_DEVICE = f"""
+import sys
+sys.path.insert(0, {str(HERE.parent)!r})
+import numpy as np
+from fake_device import FakeDevice, device_array
+import pycoll
+from pycoll import spaces
+comm = pycoll.world()
+spaces.register(FakeDevice(seed=comm.rank))  # its memory no other process can map
+try:
+    pycoll.allreduce(device_array(np.ones(3)))
+    print(f"rank {{comm.rank}} went through MPI", flush=True)
+except ValueError as error:
+    print(f"rank {{comm.rank}}: {{error}}", flush=True)
+print(f"rank {{comm.rank}} then {{pycoll.allreduce(np.ones(2)).tolist()}}", flush=True)
+"""
+
+
+def test_forcing_peer_memory_on_a_device_no_process_can_map_is_an_error():
+    """docs/gpu.md: PYCOLL_DEVICE_TRANSPORT=ipc insists on peer memory; on a device whose
+    memory another process cannot map it went through MPI instead, without a word."""
+    done = launch(2, "-c", UNMAPPABLE_DEVICE, timeout=60, PYCOLL_DEVICE_TRANSPORT="ipc")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in range(2):
+        assert (f"rank {rank}: PYCOLL_DEVICE_TRANSPORT=ipc but fake memory cannot be mapped by "
+                "another process (allowed here: auto or staged)") in output, output
+        assert f"rank {rank} then [2.0, 2.0]" in output, output
+    assert "went through MPI" not in output, output
+
 COUNTS_DISAGREE = """
 import numpy as np, pycoll
 rank = pycoll.world().rank
