@@ -625,8 +625,10 @@ class Communicator:
             pair_comm = parent.Create_group(group, tag)
             group.Free()
             everyone.Free()
-            inner = _mpi_device_transport(pair_comm, space, nodes)
-            pair_comm.Free()  # the endpoint keeps its own duplicates
+            try:
+                inner = _mpi_device_transport(pair_comm, space, nodes)
+            finally:
+                pair_comm.Free()  # the endpoint keeps its own duplicates
         return Renumbered(inner, pair)
 
     def free(self) -> None:

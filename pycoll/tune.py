@@ -179,6 +179,7 @@ def tune_comm(comm: Communicator, kind: str, repeats: int = 15,
               sizes: list[int] | None = None, local_sizes: list[int] | None = None
               ) -> Tuned | None:
     """Measure and fit on ``comm`` (every rank calls it); the result on rank 0, else None."""
+    comm.ensure_usable()  # a freed one has no MPI duplicate to find nodes on
     sizes = STEP_SIZES if sizes is None else sizes
     local_sizes = LOCAL_SIZES if local_sizes is None else local_sizes
     nodes = [0] * comm.size

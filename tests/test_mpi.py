@@ -289,7 +289,7 @@ def test_a_rank_alone_on_its_node_leaks_no_communicators():
     """From a helper's hunt: with nodes [0, 0, 1] rank 2 duplicated MPI communicators for a
     peer-memory endpoint (duplicating is collective) that it never used or freed, two per
     making, until every rank's MPI_Comm_dup failed (no context id left)."""
-    done = launch(3, "-c", REMADE_DEVICE_ENDPOINTS, timeout=120, PYCOLL_RANKS_PER_NODE="2")
+    done = launch(3, "-c", REMADE_DEVICE_ENDPOINTS, PYCOLL_RANKS_PER_NODE="2")
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     for rank in range(3):
@@ -455,7 +455,7 @@ def test_a_timeout_names_the_missing_rank_on_every_process(transport, count):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output  # the job ends normally after the timeouts
     assert "timeouts on 3 ranks: 3 of 3 named a peer" in output, output
-    assert shm_files() - before == set()
+    assert left_in_dev_shm(before) == set()
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3])
@@ -549,11 +549,20 @@ def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def left_in_dev_shm(before: set[str], patience: float = 5.0) -> set[str]:
+    """Files in /dev/shm since ``before`` that stay: another MPI job on the machine (a
+    test's own helper, a parallel run) may hold one of its own for a moment, which goes."""
+    deadline = time.monotonic() + patience
+    while (left := shm_files() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def test_shared_memory_leaves_nothing_in_dev_shm():
     before = shm_files()
     done = launch(3, "-m", "mpi4py", str(HERE / "collectives.py"))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert shm_files() - before == set()
+    assert left_in_dev_shm(before) == set()
 
 
 @pytest.mark.parametrize("mode", ["kill", "kill-device"])
@@ -753,6 +762,8 @@ def test_mpi4py_settings_and_the_users_own_communicators(tmp_path, mode, says):
                "freed": "freed device [2.0, 2.0, 2.0]"}
     if mode in went_on:
         assert output.count(went_on[mode]) == 2, output  # both ranks went on
+    if mode == "freed":  # neither rank read the freed handle's info
+        assert output.count("info of the freed handle: False") == 2, output
 
 
 def test_an_error_after_mpi_finalize_is_said_as_python_says_it(tmp_path):
