@@ -683,9 +683,7 @@ class Communicator:
         barrier(self)
         for endpoint in endpoints:
             endpoint.release()
-        for host in inside:
-            if isinstance(host, MPITransport):  # the device endpoints' own duplicates
-                host.free()
+        _free_duplicates(inside)
 
     def next_tag(self) -> int:
         """The tag of the next collective; every rank calls collectives in the same order."""
@@ -959,11 +957,16 @@ def _route(
         return between
     within = peer_memory()
     if len(local) == 1:  # made only because duplicating is collective: its communicators
-        for host in _reachable(within):  # would leak, one pair per making, until MPI has
-            if isinstance(host, MPITransport):  # no context ids left on any rank
-                host.free()
-        return between
+        _free_duplicates(_reachable(within))  # would leak, one pair per making, until MPI
+        return between  # has no context ids left on any rank
     return RoutedTransport([within if node == nodes[rank] else between for node in nodes])
+
+
+def _free_duplicates(endpoints: list[Any]) -> None:
+    """Free the MPI communicators among ``endpoints`` (device endpoints' own duplicates)."""
+    for host in endpoints:
+        if isinstance(host, MPITransport):
+            host.free()
 
 
 def _reachable(*endpoints: Any) -> list[Any]:
@@ -1057,10 +1060,10 @@ def _mpi_device_transport(mpi_comm: Any, space: Any, nodes: list[int],
 
     mode = _device_transport_mode()
     access = getattr(space, "ipc_access", None)
-    if access is None and mode == "ipc" and mpi_comm.Get_size() > 1:
-        raise ValueError(f"PYCOLL_DEVICE_TRANSPORT=ipc but {space.name} memory cannot be "
-                         "mapped by another process (allowed here: auto or staged)")
     if access is None:  # no way to map another process's memory
+        if mode == "ipc" and mpi_comm.Get_size() > 1:
+            raise ValueError(f"PYCOLL_DEVICE_TRANSPORT=ipc but {space.name} memory cannot be "
+                             "mapped by another process (allowed here: auto or staged)")
         mode = "staged"
     if mode == "staged":
         nodes = list(range(mpi_comm.Get_size()))
